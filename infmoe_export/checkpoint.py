@@ -1,0 +1,105 @@
+"""Checkpoints (SPEC §2): a directory with config.json and model.safetensors, never a pickle."""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import InfMoEError
+from .model import InfMoEConfig, InfMoEGPT
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+DEFAULT_CHECKPOINT = Path(__file__).parent / "default_model"
+
+
+def expected_shapes(config: InfMoEConfig) -> dict:
+    """Every tensor name of SPEC §2 and its shape."""
+    V, P, D, H = config.vocab_size, config.n_positions, config.d_model, config.ffn_hidden
+    shapes = {"wte.weight": [V, D], "wpe.weight": [P, D], "ln_f.weight": [D], "ln_f.bias": [D]}
+    for i in range(config.n_layer):
+        p = f"h.{i}."
+        shapes.update({
+            p + "ln_1.weight": [D], p + "ln_1.bias": [D],
+            p + "attn.qkv.weight": [3 * D, D], p + "attn.qkv.bias": [3 * D],
+            p + "attn.proj.weight": [D, D], p + "attn.proj.bias": [D],
+            p + "ln_2.weight": [D], p + "ln_2.bias": [D],
+            p + "moe.router.mu.weight": [1, D], p + "moe.router.mu.bias": [1],
+            p + "moe.router.sigma.weight": [1, D], p + "moe.router.sigma.bias": [1],
+            p + "moe.w_in": [H, D], p + "moe.b_in": [H],
+            p + "moe.w_out": [H, D], p + "moe.b_out": [D],
+        })
+    return shapes
+
+
+def read_config(path: Union[str, Path]) -> InfMoEConfig:
+    path = Path(path)
+    if not path.is_dir() or not (path / CONFIG_FILE).is_file():
+        raise InfMoEError(f"{path} is not a checkpoint: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        data = json.loads((path / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InfMoEError(f"{path / CONFIG_FILE} is not valid JSON: {error}") from None
+    return InfMoEConfig.from_dict(data)
+
+
+def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
+    """Load and validate a checkpoint (the bundled default model when path is None), in eval mode."""
+    path = Path(path) if path is not None else DEFAULT_CHECKPOINT
+    config = read_config(path)
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise InfMoEError(f"{path} is not a checkpoint: {WEIGHTS_FILE} is missing")
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise InfMoEError(f"{weights_path} is not a readable safetensors file ({error})") from None
+
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise InfMoEError(f"{weights_path}: missing tensor {missing[0]!r}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise InfMoEError(f"{weights_path}: unexpected tensor {extra[0]!r}")
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if list(tensor.shape) != shape:
+            raise InfMoEError(f"{weights_path}: tensor {name!r} has shape {list(tensor.shape)}, expected {shape}")
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InfMoEError(f"{weights_path}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+
+    model = InfMoEGPT(config)
+    model.load_state_dict({name: t.float() for name, t in tensors.items()}, strict=True)
+    return model.eval()
+
+
+def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional[dict] = None) -> Path:
+    """Write config.json + model.safetensors atomically: into a temporary sibling, then renamed."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InfMoEError(f"cannot write checkpoint to {path}: it exists and is not a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+        save_file(state, str(staging / WEIGHTS_FILE), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(staging, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,63 @@
+"""`infmoe-export`: one click group; each command lives beside the code it drives.
+
+Commands are imported lazily so that `--help` is instant and a command whose optional
+dependency is missing does not break the others.
+"""
+
+import importlib
+import sys
+
+import click
+
+from .errors import InfMoEError
+
+# command name -> ("module:attribute" of a click.Command, one-line help shown by --help)
+COMMANDS = {
+    "train": ("infmoe_export.train:train_command", "Train an ∞-MoE model from scratch on a byte corpus."),
+    "eval": ("infmoe_export.evaluate:eval_command", "Perplexity of a checkpoint per expert budget K."),
+    "doctor": ("infmoe_export.doctor:doctor_command", "What this machine can run: torch, onnxruntime, kernels, TensorRT."),
+    "onnx": ("infmoe_export.export.command:onnx_command", "Export a checkpoint to ONNX with the ContinuousSliceFFN op."),
+    "run": ("infmoe_export.runtimes.generate:run_command", "Generate text from an ONNX model in onnxruntime."),
+    "trt": ("infmoe_export.runtimes.tensorrt:trt_command", "Build one TensorRT engine per expert budget K."),
+    "parity": ("infmoe_export.report.parity:parity_command", "Parity of every backend against the PyTorch reference."),
+    "bench": ("infmoe_export.report.bench:bench_command", "Latency, throughput and memory per backend and K."),
+    "pipeline": ("infmoe_export.pipeline:pipeline_command", "The main job: export, validate, parity, latency, reports."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attribute = COMMANDS[name][0].split(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    def format_commands(self, ctx, formatter):
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name][1]) for name in self.list_commands(ctx)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="infmoe-export")
+def cli():
+    """Export, run, compile and prove ∞-MoE language models."""
+
+
+def main(argv=None):
+    try:
+        cli.main(args=argv, prog_name="infmoe-export", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except InfMoEError as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

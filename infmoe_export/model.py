@@ -1,0 +1,326 @@
+"""The ∞-MoE GPT-2 reference model (SPEC §2–3): every backend is judged against this file.
+
+A pre-LayerNorm GPT-2 decoder whose FFN is one large shared FFN of H hidden units. A router
+predicts a Gaussian over a 1-D expert index; K draws of it each select a contiguous window
+of r hidden units, and the layer output is the average of the K windows.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import InfMoEError
+
+NOISE_MODES = ("quantile", "sampled")
+ACTIVATIONS = ("gelu_tanh",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class InfMoEConfig:
+    vocab_size: int
+    n_positions: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    ffn_hidden: int
+    slice_width: int
+    num_samples: int
+    activation: str = "gelu_tanh"
+    layer_norm_eps: float = 1e-5
+    tokenizer: str = "bytes"
+    model_type: str = "infmoe-gpt2"
+
+    def __post_init__(self):
+        for key in ("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden",
+                    "slice_width", "num_samples"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InfMoEError(f"config key {key!r} must be a positive integer, got {value!r}")
+        if self.model_type != "infmoe-gpt2":
+            raise InfMoEError(f"config key 'model_type' must be 'infmoe-gpt2', got {self.model_type!r}")
+        if self.d_model % self.n_head:
+            raise InfMoEError(f"config key 'd_model' ({self.d_model}) must be divisible by "
+                              f"'n_head' ({self.n_head})")
+        if self.slice_width > self.ffn_hidden:
+            raise InfMoEError(f"config key 'slice_width' ({self.slice_width}) must be at most "
+                              f"'ffn_hidden' ({self.ffn_hidden})")
+        if self.activation not in ACTIVATIONS:
+            raise InfMoEError(f"config key 'activation' must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.tokenizer != "bytes":
+            raise InfMoEError(f"config key 'tokenizer' must be 'bytes', got {self.tokenizer!r}")
+        if self.vocab_size < 256:
+            raise InfMoEError(f"config key 'vocab_size' must be >= 256 for the byte tokenizer, "
+                              f"got {self.vocab_size}")
+        eps = self.layer_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise InfMoEError(f"config key 'layer_norm_eps' must be a float in (0, 1), got {eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def is_dense(self) -> bool:
+        """slice_width == ffn_hidden: every window is the whole FFN, an ordinary GPT-2 MLP."""
+        return self.slice_width == self.ffn_hidden
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "InfMoEConfig":
+        if not isinstance(data, dict):
+            raise InfMoEError("config.json must hold a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise InfMoEError(f"config.json has unknown key {unknown[0]!r}")
+        for name, field in fields.items():
+            if name not in data and field.default is dataclasses.MISSING:
+                raise InfMoEError(f"config.json is missing required key {name!r}")
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ∞-MoE layer
+
+
+def gelu_tanh(a: torch.Tensor) -> torch.Tensor:
+    return F.gelu(a, approximate="tanh")
+
+
+def quantile_noise(k: int, device=None) -> torch.Tensor:
+    """eps_k = Phi^-1((k - 0.5) / K), k = 1..K: the deterministic 'quantile' noise, shape [K]."""
+    levels = (torch.arange(k, dtype=torch.float64, device=device) + 0.5) / k
+    return torch.special.ndtri(levels).float()
+
+
+def window_starts(z: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.Tensor:
+    """s = min(floor(sigmoid(z) * (H - r + 1)), H - r) as int64 (SPEC §3)."""
+    positions = ffn_hidden - slice_width + 1
+    start = torch.floor(torch.sigmoid(z) * float(positions))
+    return torch.clamp(start, max=float(positions - 1)).to(torch.int64)
+
+
+def coverage(starts: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.Tensor:
+    """c_i = (number of windows [s_k, s_k + r) covering unit i) / K, shape [..., H]."""
+    units = torch.arange(ffn_hidden, device=starts.device)
+    s = starts.unsqueeze(-1)
+    inside = (units >= s) & (units < s + slice_width)  # [..., K, H]
+    return inside.float().mean(dim=-2)
+
+
+def continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width: int) -> torch.Tensor:
+    """The expert part of the ∞-MoE layer, op `infmoe::ContinuousSliceFFN` (SPEC §4).
+
+    Computed in the union/coverage form: every unit's pre-activation is shared by all
+    windows that cover it, so y = b_out + sum_i c_i * act(x . w_in[i] + b_in[i]) * w_out[i].
+    This reference evaluates all H units (dense-masked); the kernels touch only the union.
+    """
+    ffn_hidden = w_in.shape[0]
+    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > ffn_hidden - slice_width):
+        raise InfMoEError(f"starts must lie in [0, {ffn_hidden - slice_width}]")
+    hidden = gelu_tanh(F.linear(x, w_in, b_in)) * coverage(starts, ffn_hidden, slice_width).to(x.dtype)
+    return hidden @ w_out + b_out
+
+
+class Router(nn.Module):
+    """Predicts the Gaussian N(mu(x), sigma(x)^2) over the expert index z."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.mu = nn.Linear(d_model, 1)
+        self.sigma = nn.Linear(d_model, 1)
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """z_k = mu + sigma * eps_k for eps of shape [K] or [..., K]; returns [..., K]."""
+        return self.mu(x) + F.softplus(self.sigma(x)) * eps
+
+
+class InfMoE(nn.Module):
+    def __init__(self, config: InfMoEConfig):
+        super().__init__()
+        H, D = config.ffn_hidden, config.d_model
+        self.ffn_hidden, self.slice_width = H, config.slice_width
+        self.router = Router(D)
+        self.w_in = nn.Parameter(torch.empty(H, D))
+        self.b_in = nn.Parameter(torch.zeros(H))
+        self.w_out = nn.Parameter(torch.empty(H, D))
+        self.b_out = nn.Parameter(torch.zeros(D))
+        # Soft window edge (in hidden units) for the training relaxation.
+        self.edge_width = max(1.0, config.slice_width / 16)
+
+    def starts(self, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        return window_starts(self.router(x, eps), self.ffn_hidden, self.slice_width)
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor):
+        """Returns (y, starts [..., K] int64)."""
+        z = self.router(x, eps)
+        starts = window_starts(z, self.ffn_hidden, self.slice_width)
+        if self.training and self.slice_width < self.ffn_hidden:
+            return self._train_forward(x, z, starts), starts
+        y = continuous_slice_ffn(x, starts, self.w_in, self.b_in, self.w_out, self.b_out, self.slice_width)
+        return y, starts
+
+    def _train_forward(self, x, z, starts):
+        """Straight-through window: the hard coverage forward, a soft-edged window's gradient.
+
+        The soft window spans the continuous start t = sigmoid(z) (H - r + 1) to t + r with
+        sigmoid edges, so the loss reaches mu and sigma through t (SPEC §3, Training).
+        """
+        H, r = self.ffn_hidden, self.slice_width
+        hard = coverage(starts, H, r)
+        t = (torch.sigmoid(z) * (H - r + 1)).unsqueeze(-1)  # [..., K, 1]
+        units = torch.arange(H, device=x.device, dtype=x.dtype) + 0.5
+        soft = (torch.sigmoid((units - t) / self.edge_width)
+                * torch.sigmoid((t + r - units) / self.edge_width)).mean(dim=-2)
+        weights = hard + soft - soft.detach()
+        return (gelu_tanh(F.linear(x, self.w_in, self.b_in)) * weights) @ self.w_out + self.b_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention and the decoder
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: InfMoEConfig):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x, allowed, past: Optional[tuple]):
+        """x [B, T, D]; allowed [B, 1, T, past + T] bool; past (key, value) [B, h, past, hd]."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        # A finite minimum, not -inf: a padded query whose keys are all masked stays finite.
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, D)), (k, v)
+
+
+class Block(nn.Module):
+    def __init__(self, config: InfMoEConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.moe = InfMoE(config)
+
+    def forward(self, x, allowed, eps, past):
+        a, present = self.attn(self.ln_1(x), allowed, past)
+        h = x + a
+        y, starts = self.moe(self.ln_2(h), eps)
+        return h + y, present, starts
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor                 # [B, T, V]
+    present: tuple                       # per layer (key, value), each [B, n_head, past + T, head_dim]
+    starts: Optional[tuple]              # per layer [B, T, K] int64, when asked for
+
+
+class InfMoEGPT(nn.Module):
+    def __init__(self, config: InfMoEConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.n_positions, config.d_model)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: Optional[int] = None):
+        """GPT-2 initialisation; the router's mu starts spread (std 1 over tokens) so that
+        windows cover all of H from the first step instead of piling up in the middle."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        c = self.config
+        for name, p in self.named_parameters():
+            if name.endswith("router.mu.weight"):
+                std = 1.0 / math.sqrt(c.d_model)
+            elif name.endswith(("proj.weight", "moe.w_out")):
+                std = 0.02 / math.sqrt(2 * c.n_layer)
+            else:
+                std = 0.02
+            with torch.no_grad():
+                if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
+                    p.fill_(1.0)
+                elif p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+                else:
+                    p.zero_()
+
+    def noise(self, batch: int, seq: int, k: int, mode: str, generator: Optional[torch.Generator]):
+        """eps for every token: [K] (quantile, the same for all tokens) or [B, T, K] (sampled).
+
+        Sampled noise is drawn once per (token, sample) and shared by every layer, exactly
+        like the exported graph's single `expert_noise` input."""
+        if mode == "quantile":
+            return quantile_noise(k, device=self.wte.weight.device)
+        if mode == "sampled":
+            return torch.randn(batch, seq, k, generator=generator).to(self.wte.weight.device)
+        raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[tuple] = None,
+        *,
+        k: Optional[int] = None,
+        noise: str = "quantile",
+        expert_noise: Optional[torch.Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+        return_starts: bool = False,
+    ) -> Output:
+        """input_ids [B, T]; attention_mask [B, past + T] (1 = token, 0 = left padding);
+        past_key_values per layer (key, value); k the expert budget (default num_samples);
+        expert_noise [B, T, K] overrides the noise mode (the exported graph's input)."""
+        B, T = input_ids.shape
+        k = self.config.num_samples if k is None else k
+        if not isinstance(k, int) or k < 1:
+            raise InfMoEError(f"expert budget K must be a positive integer, got {k!r}")
+        past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        total = past_len + T
+        if total > self.config.n_positions:
+            raise InfMoEError(f"sequence of {total} tokens is longer than n_positions "
+                              f"({self.config.n_positions})")
+        if attention_mask is None:
+            attention_mask = torch.ones(B, total, dtype=torch.int64, device=input_ids.device)
+        if attention_mask.shape != (B, total):
+            raise InfMoEError(f"attention_mask must have shape [{B}, {total}], got {list(attention_mask.shape)}")
+        if expert_noise is None:
+            eps = self.noise(B, T, k, noise, generator)
+        else:
+            if expert_noise.shape != (B, T, k):
+                raise InfMoEError(f"expert_noise must have shape [{B}, {T}, {k}], got {list(expert_noise.shape)}")
+            eps = expert_noise
+
+        # Positions count real tokens only, so a left-padded row matches the row run alone.
+        keep = attention_mask.to(torch.bool)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        causal = torch.ones(T, total, dtype=torch.bool, device=input_ids.device).tril(diagonal=past_len)
+        allowed = (causal.unsqueeze(0) & keep.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, total]
+
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        presents, all_starts = [], []
+        for i, block in enumerate(self.h):
+            x, present, starts = block(x, allowed, eps, None if past_key_values is None else past_key_values[i])
+            presents.append(present)
+            all_starts.append(starts)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied embeddings
+        return Output(logits, tuple(presents), tuple(all_starts) if return_starts else None)
