@@ -87,6 +87,9 @@ def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional
         raise InfMoEError(f"cannot write checkpoint to {path}: it exists and is not a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
     try:
         (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}

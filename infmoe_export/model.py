@@ -111,12 +111,45 @@ def window_starts(z: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.T
     return torch.clamp(start, max=float(positions - 1)).to(torch.int64)
 
 
-def coverage(starts: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.Tensor:
-    """c_i = (number of windows [s_k, s_k + r) covering unit i) / K, shape [..., H]."""
-    units = torch.arange(ffn_hidden, device=starts.device)
-    s = starts.unsqueeze(-1)
-    inside = (units >= s) & (units < s + slice_width)  # [..., K, H]
-    return inside.float().mean(dim=-2)
+def coverage(starts: torch.Tensor, ffn_hidden: int, slice_width: int, dtype=torch.float32) -> torch.Tensor:
+    """c_i = (number of windows [s_k, s_k + r) covering unit i) / K, shape [..., H].
+
+    Each window adds +1 at its start and -1 past its end; a running sum over H counts the
+    windows covering each unit (exact in float32), in O(H) per token instead of O(K H)."""
+    ones = torch.ones(starts.shape, dtype=dtype, device=starts.device)
+    edges = torch.zeros(*starts.shape[:-1], ffn_hidden + 1, dtype=dtype, device=starts.device)
+    edges.scatter_add_(-1, starts, ones).scatter_add_(-1, starts + slice_width, -ones)
+    return edges.cumsum(-1)[..., :ffn_hidden] / starts.shape[-1]
+
+
+class StraightThroughWindow(torch.autograd.Function):
+    """Forward: the hard coverage of the windows starting at floor(t). Backward: the gradient of
+    windows whose edges are linear ramps `edge` units wide, so the loss reaches the continuous
+    start t (SPEC §3, Training). Moving a window right gains the units at its upper edge and
+    loses those at its lower edge; with prefix sums of the coverage gradient that costs O(H)
+    per token instead of materialising a [..., K, H] soft window."""
+
+    @staticmethod
+    def forward(ctx, t, starts, ffn_hidden: int, slice_width: int, edge: float):
+        ctx.save_for_backward(t)
+        ctx.slice_width, ctx.edge = slice_width, edge
+        return coverage(starts, ffn_hidden, slice_width, t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_coverage):
+        (t,) = ctx.saved_tensors
+        r, edge = ctx.slice_width, ctx.edge
+        H = grad_coverage.shape[-1]
+        prefix = F.pad(grad_coverage.cumsum(-1), (1, 0))  # prefix[j] = sum of grad over units < j
+
+        def ramp_sum(at):
+            """Sum of the gradient over the units (centres i + 0.5) within edge / 2 of `at`."""
+            lo = torch.ceil(at - edge / 2 - 0.5).clamp(0, H).long()
+            hi = torch.ceil(at + edge / 2 - 0.5).clamp(0, H).long()
+            return prefix.gather(-1, hi) - prefix.gather(-1, lo)
+
+        grad_t = (ramp_sum(t + r) - ramp_sum(t)) / (edge * t.shape[-1])
+        return grad_t, None, None, None, None
 
 
 def continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width: int) -> torch.Tensor:
@@ -129,7 +162,7 @@ def continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width: int) 
     ffn_hidden = w_in.shape[0]
     if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > ffn_hidden - slice_width):
         raise InfMoEError(f"starts must lie in [0, {ffn_hidden - slice_width}]")
-    hidden = gelu_tanh(F.linear(x, w_in, b_in)) * coverage(starts, ffn_hidden, slice_width).to(x.dtype)
+    hidden = gelu_tanh(F.linear(x, w_in, b_in)) * coverage(starts, ffn_hidden, slice_width, x.dtype)
     return hidden @ w_out + b_out
 
 
@@ -172,18 +205,10 @@ class InfMoE(nn.Module):
         return y, starts
 
     def _train_forward(self, x, z, starts):
-        """Straight-through window: the hard coverage forward, a soft-edged window's gradient.
-
-        The soft window spans the continuous start t = sigmoid(z) (H - r + 1) to t + r with
-        sigmoid edges, so the loss reaches mu and sigma through t (SPEC §3, Training).
-        """
+        """The hard window forward with a straight-through gradient for the router."""
         H, r = self.ffn_hidden, self.slice_width
-        hard = coverage(starts, H, r)
-        t = (torch.sigmoid(z) * (H - r + 1)).unsqueeze(-1)  # [..., K, 1]
-        units = torch.arange(H, device=x.device, dtype=x.dtype) + 0.5
-        soft = (torch.sigmoid((units - t) / self.edge_width)
-                * torch.sigmoid((t + r - units) / self.edge_width)).mean(dim=-2)
-        weights = hard + soft - soft.detach()
+        t = torch.sigmoid(z) * (H - r + 1)  # continuous start, [..., K]
+        weights = StraightThroughWindow.apply(t, starts, H, r, self.edge_width)
         return (gelu_tanh(F.linear(x, self.w_in, self.b_in)) * weights) @ self.w_out + self.b_out
 
 

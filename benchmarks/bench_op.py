@@ -1,0 +1,175 @@
+"""The op alone, side by side in one run: compiled kernel vs the standard-op fallback function
+vs the PyTorch reference, on a GPT-2-Small-size ∞-MoE layer (D 768, H 6144, r 1536).
+
+Decode (one token) is memory bound, so it is judged in GB/s of active bytes (the union rows of
+w_in and w_out, plus b_in) against the memory bandwidth measured in this run; prefill (512
+tokens) in tokens/s. Windows come from the quantile noise (SPEC §3) around a random mu per token.
+Each decode call uses a different layer's weights (12 copies, like a 12-layer model), so no
+weights are served from cache.
+
+    .venv/bin/python benchmarks/bench_op.py [--threads 2] [--json runs/bench_op.json]
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import threading
+import time
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts
+from infmoe_export.runtimes import ort_kernel
+
+D, H, R, LAYERS = 768, 6144, 1536, 12
+
+
+def measure_bandwidth(threads: int, megabytes: int = 512, repeats: int = 5) -> float:
+    """GB/s of a large copy (bytes read + bytes written), split over `threads` threads."""
+    src = np.ones(megabytes * 2 ** 20 // 4, np.float32)
+    dst = np.empty_like(src)
+    parts = np.array_split(np.arange(src.size), threads)
+    bounds = [(p[0], p[-1] + 1) for p in parts]
+
+    def copy(lo, hi):
+        np.copyto(dst[lo:hi], src[lo:hi])  # releases the GIL
+
+    best = float("inf")
+    for _ in range(repeats):
+        workers = [threading.Thread(target=copy, args=b) for b in bounds]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9
+
+
+def make_starts(tokens: int, k: int, rng) -> np.ndarray:
+    mu = torch.from_numpy(rng.standard_normal((tokens, 1)).astype(np.float32))
+    return window_starts(mu + quantile_noise(k), H, R).numpy()  # sigma = 1
+
+
+def union_rows(starts: np.ndarray) -> float:
+    """Mean number of hidden units covered by a token's windows."""
+    covered = np.zeros((starts.shape[0], H + 1), np.int32)
+    for j in range(starts.shape[1]):
+        np.add.at(covered, (np.arange(starts.shape[0]), starts[:, j]), 1)
+        np.add.at(covered, (np.arange(starts.shape[0]), starts[:, j] + R), -1)
+    return float((np.cumsum(covered, axis=1)[:, :H] > 0).sum(axis=1).mean())
+
+
+def timed(call, layers, repeats: int) -> float:
+    """Median seconds per call, cycling over the layers' weights."""
+    for i in range(len(layers)):
+        call(layers[i])
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        call(layers[i % len(layers)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads (onnxruntime and torch)")
+    parser.add_argument("--repeats", type=int, default=48, help="decode calls per measurement")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    args = parser.parse_args()
+
+    library = ort_kernel.custom_op_library()
+    if library is None:
+        raise SystemExit("bench_op: the kernel library is not built (plugins/onnxruntime/build.sh)")
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+
+    def random(*shape, scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    layers = [dict(w_in=random(H, D, scale=0.02), b_in=random(H, scale=0.02), w_out=random(H, D, scale=0.02),
+                   b_out=random(D, scale=0.02)) for _ in range(LAYERS)]
+    torch_layers = [{n: torch.from_numpy(v) for n, v in layer.items()} for layer in layers]
+
+    model = ort_kernel.op_model(R, with_function=True).SerializeToString()
+    sessions = {}
+    for name, use_kernel in (("kernel", True), ("fallback", False)):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+        if use_kernel:
+            ort_kernel.register(options)
+        sessions[name] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+    def runners(x, starts):
+        ort_x, ort_starts = ort.OrtValue.ortvalue_from_numpy(x), ort.OrtValue.ortvalue_from_numpy(starts)
+        ort_layers = [{n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in layer.items()} for layer in layers]
+        tx, ts = torch.from_numpy(x), torch.from_numpy(starts)
+
+        def onnxruntime(session):
+            return lambda i: session.run_with_ort_values(["Y"], dict(X=ort_x, starts=ort_starts, **ort_layers[i]))
+
+        def reference(i):
+            with torch.inference_mode():
+                w = torch_layers[i]
+                continuous_slice_ffn(tx, ts, w["w_in"], w["b_in"], w["w_out"], w["b_out"], R)
+
+        return {"kernel": onnxruntime(sessions["kernel"]), "fallback": onnxruntime(sessions["fallback"]),
+                "torch": reference}
+
+    bandwidth = max(measure_bandwidth(1), measure_bandwidth(args.threads))
+    results = {"layer": dict(d_model=D, ffn_hidden=H, slice_width=R), "threads": args.threads,
+               "bandwidth_gb_s": bandwidth, "decode": [], "prefill": []}
+    print(f"memory bandwidth (copy, best of 1 and {args.threads} threads): {bandwidth:.1f} GB/s")
+
+    print(f"\ndecode, 1 token ({LAYERS} weight copies cycled)")
+    print(f"{'K':>2} {'rows':>6} {'MB':>6} {'kernel ms':>10} {'fallback':>9} {'torch':>8} {'GB/s':>6} "
+          f"{'roofline':>8} {'x fallback':>10} {'x torch':>8}")
+    for k in (1, 2, 4, 8):
+        starts = make_starts(1, k, rng).reshape(1, 1, k)
+        x = rng.standard_normal((1, 1, D)).astype(np.float32)
+        rows = union_rows(starts.reshape(1, k))
+        active = rows * (2 * D + 1) * 4
+        calls = runners(x, starts)
+        ms = {name: 1e3 * timed(call, range(LAYERS), args.repeats) for name, call in calls.items()}
+        gb_s = active / (ms["kernel"] / 1e3) / 1e9
+        roofline = ms["kernel"] / (active / bandwidth / 1e6)  # measured / ideal time
+        row = dict(k=k, union_rows=rows, active_mb=active / 1e6, kernel_ms=ms["kernel"], fallback_ms=ms["fallback"],
+                   torch_ms=ms["torch"], kernel_gb_s=gb_s, roofline_ratio=roofline,
+                   speedup_vs_fallback=ms["fallback"] / ms["kernel"], speedup_vs_torch=ms["torch"] / ms["kernel"])
+        results["decode"].append(row)
+        print(f"{k:>2} {rows:>6.0f} {active / 1e6:>6.1f} {ms['kernel']:>10.2f} {ms['fallback']:>9.2f} "
+              f"{ms['torch']:>8.2f} {gb_s:>6.1f} {roofline:>8.2f} {row['speedup_vs_fallback']:>10.2f} "
+              f"{row['speedup_vs_torch']:>8.2f}")
+
+    n = args.prefill_tokens
+    print(f"\nprefill, {n} tokens")
+    print(f"{'K':>2} {'mean rows':>9} {'kernel tok/s':>12} {'fallback':>9} {'torch':>8} {'x fallback':>10}")
+    for k in (1, 2, 4, 8):
+        starts = make_starts(n, k, rng).reshape(1, n, k)
+        x = rng.standard_normal((1, n, D)).astype(np.float32)
+        calls = runners(x, starts)
+        rate = {name: n / timed(call, range(1), 3) for name, call in calls.items()}
+        row = dict(k=k, tokens=n, mean_union_rows=union_rows(starts.reshape(n, k)),
+                   kernel_tokens_s=rate["kernel"], fallback_tokens_s=rate["fallback"], torch_tokens_s=rate["torch"],
+                   speedup_vs_fallback=rate["kernel"] / rate["fallback"])
+        results["prefill"].append(row)
+        print(f"{k:>2} {row['mean_union_rows']:>9.0f} {rate['kernel']:>12.0f} {rate['fallback']:>9.0f} "
+              f"{rate['torch']:>8.0f} {row['speedup_vs_fallback']:>10.2f}")
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as out:
+            json.dump(results, out, indent=2)
+        os.replace(out.name, args.json)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

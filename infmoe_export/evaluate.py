@@ -1,0 +1,157 @@
+"""Perplexity per expert budget K, and how widely the router spreads its windows over H.
+
+Perplexity = exp(mean negative log-likelihood per predicted byte). The text is cut into
+non-overlapping windows of n_positions bytes (the last one shorter); each window predicts its
+2nd..last byte from the bytes before it in that window, so every window starts from no context.
+"""
+
+import json
+import math
+from typing import Dict, List, Optional, Sequence
+
+import click
+import torch
+import torch.nn.functional as F
+
+from .errors import InfMoEError
+from .model import NOISE_MODES, InfMoEGPT
+
+
+def sampled_noise(windows: Sequence[torch.Tensor], k: int, seed: int) -> List[torch.Tensor]:
+    """eps ~ N(0, 1) of shape [len(window), K] for each window, drawn in window order from one
+    seeded generator, so the noise of a window does not depend on how windows are batched."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(w), k, generator=generator) for w in windows]
+
+
+def batches(windows: Sequence[torch.Tensor], batch_size: int):
+    """Indices of windows in runs of equal length (only the last window is shorter), at most
+    batch_size each, so a batch needs no padding."""
+    run: List[int] = []
+    for i, window in enumerate(windows):
+        if run and (len(run) == batch_size or len(windows[run[0]]) != len(window)):
+            yield run
+            run = []
+        run.append(i)
+    if run:
+        yield run
+
+
+@torch.no_grad()
+def window_nll(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: int, noise: str = "quantile",
+               seed: int = 0, batch_size: int = 16):
+    """(sum of next-byte NLL in nats, number of predicted bytes) over the windows."""
+    if noise not in NOISE_MODES:
+        raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {noise!r}")
+    if not isinstance(k, int) or k < 1:
+        raise InfMoEError(f"expert budget K must be a positive integer, got {k!r}")
+    was_training = model.training
+    model.eval()
+    eps = sampled_noise(windows, k, seed) if noise == "sampled" else None
+    total, count = 0.0, 0
+    for run in batches(windows, batch_size):
+        ids = torch.stack([windows[i] for i in run])
+        if ids.shape[1] < 2:
+            continue  # a one-byte window predicts nothing
+        expert_noise = torch.stack([eps[i] for i in run]) if eps is not None else None
+        logits = model(ids, k=k, noise=noise, expert_noise=expert_noise).logits
+        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+        count += ids[:, 1:].numel()
+    model.train(was_training)
+    return total, count
+
+
+def perplexity(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: int, noise: str = "quantile",
+               seed: int = 0, batch_size: int = 16) -> float:
+    total, count = window_nll(model, windows, k, noise, seed, batch_size)
+    if count == 0:
+        raise InfMoEError("text too short: need at least 2 bytes to predict one")
+    return math.exp(total / count)
+
+
+@torch.no_grad()
+def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional[int] = None,
+                  batch_size: int = 16) -> List[Dict]:
+    """Per layer, over all tokens (quantile noise): the share of H covered by the union of all
+    windows, the share of the start range [0, H - r] used, the std of starts as a share of
+    H - r (a uniform spread gives ~0.29), and the most common start's share of all starts."""
+    c = model.config
+    k = c.num_samples if k is None else k
+    was_training = model.training
+    model.eval()
+    per_layer = [[] for _ in range(c.n_layer)]
+    for run in batches(windows, batch_size):
+        starts = model(torch.stack([windows[i] for i in run]), k=k, return_starts=True).starts
+        for layer, s in enumerate(starts):
+            per_layer[layer].append(s.flatten())
+    model.train(was_training)
+    positions = c.ffn_hidden - c.slice_width + 1
+    stats = []
+    for layer, chunks in enumerate(per_layer):
+        s = torch.cat(chunks)
+        counts = torch.bincount(s, minlength=positions)
+        covered = torch.zeros(c.ffn_hidden + 1)
+        used = (counts > 0).nonzero().flatten()
+        covered.index_add_(0, used, torch.ones(len(used)))
+        covered.index_add_(0, used + c.slice_width, -torch.ones(len(used)))
+        stats.append({
+            "layer": layer,
+            "union_coverage": (covered.cumsum(0)[:-1] > 0).float().mean().item(),
+            "starts_used": (counts > 0).float().mean().item(),
+            "start_std": (s.float().std().item() / max(positions - 1, 1)) if s.numel() > 1 else 0.0,
+            "top_start_share": (counts.max() / s.numel()).item(),
+        })
+    return stats
+
+
+def parse_ks(text: str) -> List[int]:
+    try:
+        ks = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InfMoEError(f"--k must be a comma-separated list of positive integers, got {text!r}") from None
+    bad = [k for k in ks if k < 1]
+    if bad:
+        raise InfMoEError(f"expert budget K must be a positive integer, got {bad[0]}")
+    return ks
+
+
+@click.command("eval")
+@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
+@click.option("--text", "texts", type=click.Path(), multiple=True,
+              help="Text file(s) to score, concatenated (default: the stdlib validation split).")
+@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per K.")
+def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
+    """Perplexity of a checkpoint per expert budget K."""
+    from .checkpoint import load_checkpoint
+    from .data import corpus_bytes, read_texts, windows
+    from .train import set_threads
+
+    ks = parse_ks(ks)
+    set_threads()
+    model = load_checkpoint(checkpoint)
+    data = read_texts(texts) if texts else corpus_bytes("validation")
+    chunks = windows(data, model.config.n_positions)
+    records = []
+    for k in ks:
+        total, count = window_nll(model, chunks, k, noise, seed, batch_size)
+        if count == 0:
+            raise InfMoEError("text too short: need at least 2 bytes to predict one")
+        records.append({"k": k, "noise": noise, "seed": seed if noise == "sampled" else None,
+                        "nll_per_byte": total / count, "perplexity": math.exp(total / count),
+                        "bits_per_byte": total / count / math.log(2), "predicted_bytes": count})
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"perplexity ({noise} noise, {len(data)} bytes, {len(chunks)} windows)")
+    for column in ("K", "perplexity", "NLL/byte (nats)", "bits/byte"):
+        table.add_column(column, justify="right")
+    for r in records:
+        table.add_row(str(r["k"]), f"{r['perplexity']:.4f}", f"{r['nll_per_byte']:.4f}", f"{r['bits_per_byte']:.4f}")
+    Console().print(table)

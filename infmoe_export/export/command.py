@@ -1,0 +1,58 @@
+"""`infmoe-export onnx`: export a checkpoint, then validate it in onnxruntime (on by default)."""
+
+import time
+from pathlib import Path
+
+import click
+
+from ..checkpoint import load_checkpoint
+from ..errors import InfMoEError
+from ..model import NOISE_MODES
+from .exporter import DEFAULT_OPSET, export_onnx
+from .io import DTYPES
+
+
+@click.command("onnx")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint directory (default: the bundled model).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The .onnx file to write.")
+@click.option("--k", type=int, default=None, help="Expert budget K (default: the checkpoint's num_samples).")
+@click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
+@click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
+@click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True)
+@click.option("--dtype", type=click.Choice(tuple(DTYPES)), default="fp32", show_default=True)
+@click.option("--no-function", is_flag=True, help="Leave out the fallback function (TensorRT plugin models).")
+@click.option("--with-starts", is_flag=True, help="Add outputs expert_starts.{i} [batch, sequence, K].")
+@click.option("--atol", type=float, default=None, help="Validation tolerance (default: 1e-4 fp32, 5e-2 fp16).")
+@click.option("--no-validate", is_flag=True, help="Skip the onnxruntime-vs-PyTorch check.")
+def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, with_starts, atol, no_validate):
+    """Export a checkpoint to ONNX with one infmoe::ContinuousSliceFFN node per layer."""
+    if k is not None and k < 1:
+        raise InfMoEError(f"--k must be a positive integer, got {k}")
+    if atol is not None and not atol > 0:
+        raise InfMoEError(f"--atol must be positive, got {atol}")
+    if no_function and not no_validate:
+        # Without the function only the compiled kernel can run the model.
+        from ..runtimes.onnxruntime import register_kernel
+        import onnxruntime
+
+        if not register_kernel(onnxruntime.SessionOptions()):
+            raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not built; "
+                              "build plugins/onnxruntime or pass --no-validate")
+    model = load_checkpoint(checkpoint)
+    start = time.perf_counter()
+    path = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, dtype=dtype,
+                       function=not no_function, with_starts=with_starts)
+    size = sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.exists())
+    click.echo(f"exported {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
+    if no_validate:
+        return
+    from rich.console import Console
+
+    from .validate import validate_onnx
+
+    report = validate_onnx(model, path, atol=atol, raise_on_failure=False)
+    Console(stderr=True).print(report.table())
+    if not report.passed:
+        raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")
+    click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)

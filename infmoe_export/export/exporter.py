@@ -1,0 +1,215 @@
+"""Export an InfMoEGPT to ONNX with one `infmoe::ContinuousSliceFFN` node per layer (SPEC §4).
+
+The torch.onnx dynamo exporter traces the reference model itself (model.py), with one change:
+each layer's expert part becomes `torch.onnx.ops.symbolic("infmoe::ContinuousSliceFFN")`, so
+the router, window_starts and everything else are exported from the very code that defines
+them (same op order: sigmoid, * (H - r + 1), floor, min(H - r), cast — floors agree).
+Afterwards the fallback function, the Optimum-style dim names and the metadata are added and
+the file is written atomically.
+"""
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional, Union
+
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+from ..errors import InfMoEError
+from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
+from .function import DOMAIN, OP_TYPE, OP_VERSION, ir_function
+from .io import BATCH, PAST, SEQUENCE, DecoderIO
+
+# torch.onnx's dynamo exporter emits opset 18 and up (its op library is written for 18);
+# onnxruntime 1.2x loads models up to opset 23. Both bounds are checked before any work.
+MIN_OPSET, MAX_OPSET, DEFAULT_OPSET = 18, 23, 18
+# protobuf cannot hold a model over 2 GiB: above this, weights go to "<name>.data".
+EXTERNAL_DATA_BYTES = 2**31 - 2**26
+
+
+class _ExportMoE(nn.Module):
+    """An InfMoE layer whose expert part is the custom op (the dense case: plain MatMuls)."""
+
+    def __init__(self, moe: nn.Module, router_dtype: torch.dtype):
+        super().__init__()
+        self.moe, self.router_dtype = moe, router_dtype
+
+    def forward(self, x, eps):
+        m = self.moe
+        # The router runs in fp32 even in an fp16 model: fp16 cannot tell starts 4 units apart
+        # once H - r + 1 > 2048.
+        z = m.router(x.to(self.router_dtype), eps)
+        starts = window_starts(z, m.ffn_hidden, m.slice_width)
+        if m.slice_width == m.ffn_hidden:  # every window is the whole FFN: an ordinary MLP
+            return gelu_tanh(F.linear(x, m.w_in, m.b_in)) @ m.w_out + m.b_out, starts
+        y = torch.onnx.ops.symbolic(
+            f"{DOMAIN}::{OP_TYPE}", (x, starts, m.w_in, m.b_in, m.w_out, m.b_out),
+            dict(slice_width=m.slice_width, activation="gelu_tanh", plugin_namespace=DOMAIN,
+                 plugin_version=str(OP_VERSION)),
+            dtype=x.dtype, shape=x.shape, version=OP_VERSION)
+        return y, starts
+
+
+class _Float32(nn.Module):
+    """Runs a module (LayerNorm) in fp32 inside an fp16 model."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module.float()
+
+    def forward(self, x):
+        return self.module(x.float()).to(x.dtype)
+
+
+class _ExportModule(nn.Module):
+    """The reference model with flat, ONNX-named inputs and outputs (see io.py)."""
+
+    def __init__(self, model: InfMoEGPT, io: DecoderIO):
+        super().__init__()
+        self.io = io
+        self.model = copy.deepcopy(model).eval()
+        if io.dtype == "fp16":
+            self.model.half()
+        for block in self.model.h:
+            block.moe.router.float()
+            block.moe = _ExportMoE(block.moe, torch.float32)
+            if io.dtype == "fp16":
+                block.ln_1, block.ln_2 = _Float32(block.ln_1), _Float32(block.ln_2)
+        if io.dtype == "fp16":
+            self.model.ln_f = _Float32(self.model.ln_f)
+        if io.noise == "quantile":  # baked in as a constant
+            self.register_buffer("quantile_eps", quantile_noise(io.k), persistent=False)
+
+    def forward(self, *inputs):
+        named = dict(zip(self.io.input_names, inputs))
+        input_ids = named["input_ids"]
+        batch, sequence = input_ids.shape
+        past = None
+        if self.io.past:
+            flat = [named[name] for name in self.io.past_names]
+            past = tuple(zip(flat[0::2], flat[1::2]))
+        eps = named.get("expert_noise")
+        if eps is None:
+            eps = self.quantile_eps.expand(batch, sequence, self.io.k)
+        output = self.model(input_ids, named["attention_mask"], past, k=self.io.k, expert_noise=eps,
+                            return_starts=self.io.with_starts)
+        return tuple(self.io.flatten(output).values())
+
+
+def check_opset(opset) -> int:
+    if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise InfMoEError(f"opset {opset} is not supported: ContinuousSliceFFN and its fallback function "
+                          f"are exported for opsets {MIN_OPSET}..{MAX_OPSET}")
+    return opset
+
+
+def check_output_path(path: Union[str, os.PathLike]) -> Path:
+    """Refuse a directory or an unwritable location before any work is done."""
+    path = Path(path)
+    if path.is_dir():
+        raise InfMoEError(f"output path {path} is a directory; give a file name such as {path / 'model.onnx'}")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise InfMoEError(f"cannot write {path}: {parent} is not a directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise InfMoEError(f"cannot write {path}: {error.strerror or error}") from None
+    return path
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.onnx logs progress and warnings meant for its developers; keep the CLI quiet."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _rename_dims(graph: ir.Graph, io: DecoderIO):
+    """Give every dynamic dim its Optimum-style name (torch.export names some 's53')."""
+    wanted = io.shapes()
+    mapping = {}
+    for value in graph.inputs:
+        for dim, name in zip(value.shape, wanted[value.name]):
+            if isinstance(dim, ir.SymbolicDim) and isinstance(name, str) and dim.value != name:
+                mapping[dim.value] = name
+    if not mapping:
+        return
+    values = [*graph.inputs, *graph.outputs, *(out for node in graph.all_nodes() for out in node.outputs)]
+    for value in values:
+        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in mapping for d in value.shape):
+            value.shape = ir.Shape([mapping.get(d.value, d.value) if isinstance(d, ir.SymbolicDim) else d
+                                    for d in value.shape])
+
+
+def _save_atomic(model: ir.Model, path: Path, external: bool):
+    """Write into a temporary directory beside path, then rename: no partial file on failure."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    data_name = f"{path.name}.data"
+    try:
+        ir.save(model, staging / path.name, external_data=data_name if external else None)
+        if external:
+            os.replace(staging / data_name, path.parent / data_name)
+        os.replace(staging / path.name, path)
+    finally:
+        for leftover in staging.iterdir():
+            leftover.unlink()
+        staging.rmdir()
+
+
+def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[int] = None,
+                noise: str = "quantile", past: bool = True, opset: int = DEFAULT_OPSET, dtype: str = "fp32",
+                function: bool = True, with_starts: bool = False) -> Path:
+    """Export model for expert budget k (default: its num_samples) to path; returns the path."""
+    io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype)
+    check_opset(opset)
+    path = check_output_path(path)
+
+    module = _ExportModule(model, io)
+    config = model.config
+    batch, sequence = Dim(BATCH), Dim(SEQUENCE, max=config.n_positions)
+    axes = {"input_ids": {0: batch, 1: sequence}, "attention_mask": {0: batch, 1: Dim.AUTO},
+            "expert_noise": {0: batch, 1: sequence}}
+    axes.update({name: {0: batch, 2: Dim(PAST, max=config.n_positions)} for name in io.past_names})
+    example = io.dummy_inputs()
+    args = tuple(torch.from_numpy(array) for array in example.values())
+    try:
+        with _quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                module, args, dynamo=True, input_names=io.input_names, output_names=io.output_names,
+                dynamic_shapes=(tuple(axes[name] for name in io.input_names),), opset_version=opset,
+                optimize=True, verbose=False)
+    except Exception as error:  # torch.onnx wraps everything in its own error types
+        summary = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise InfMoEError(f"torch.onnx export failed: {summary}") from error
+
+    onnx_model = program.model
+    _rename_dims(onnx_model.graph, io)
+    has_function = function and not config.is_dense  # a dense model has no custom op to fall back from
+    if has_function:
+        fn = ir_function(opset)
+        onnx_model.functions[fn.identifier()] = fn
+    onnx_model.metadata_props.update(io.metadata(opset, has_function))
+    onnx_model.producer_name = "infmoe-export"
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    _save_atomic(onnx_model, path, external=weight_bytes > EXTERNAL_DATA_BYTES)
+    return path

@@ -1,0 +1,41 @@
+"""The ONNX local function `infmoe::ContinuousSliceFFN` (SPEC §4): the op in standard ops only.
+
+Every exported model carries it, so a runtime without the compiled kernel still runs the model.
+It is the reference's dense form: all H hidden units, each weighted by its coverage
+c_i = (windows covering unit i) / K, built from Range and comparisons. GELU is written out
+(tanh form) because ONNX has Gelu only from opset 20 and the exporter supports 18 and up.
+"""
+
+import math
+
+import onnx_ir as ir
+from onnxscript import script, values
+from onnxscript import opset18 as op
+
+DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
+infmoe = values.Opset(DOMAIN, OP_VERSION)
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@script(infmoe, default_opset=op)
+def ContinuousSliceFFN(X, starts, w_in, b_in, w_out, b_out, slice_width: int, activation: str,
+                       plugin_namespace: str, plugin_version: str):
+    # The last three attributes only identify the op (TensorRT plugin lookup); the body needs r.
+    units = op.Range(0, op.Squeeze(op.Shape(w_in, start=0, end=1), [0]), 1)   # [H]
+    s = op.Unsqueeze(starts, [-1])                                                # [..., K, 1]
+    inside = op.And(op.GreaterOrEqual(units, s), op.Less(units, s + slice_width))  # [..., K, H]
+    weight = op.ReduceMean(op.CastLike(inside, X), [-2], keepdims=0)              # [..., H]
+    a = op.MatMul(X, op.Transpose(w_in, perm=[1, 0])) + b_in
+    c = op.CastLike(_SQRT_2_OVER_PI, X)
+    gelu = op.CastLike(0.5, X) * a * (op.CastLike(1.0, X) + op.Tanh(c * (a + op.CastLike(0.044715, X) * a * a * a)))
+    Y = op.MatMul(gelu * weight, w_out) + b_out
+    return Y
+
+
+def ir_function(opset: int) -> ir.Function:
+    """The function as an onnx_ir Function for a model of this opset (the checker wants a
+    function's default opset to match the model's; every op here means the same in 18..23)."""
+    function = ir.serde.deserialize_function(ContinuousSliceFFN.to_function_proto())
+    function.opset_imports[""] = opset
+    return function

@@ -1,0 +1,170 @@
+"""The exported decoder's inputs and outputs, named in one place (like Optimum's OnnxConfig).
+
+Names follow Optimum's text-generation-with-past decoders, so one graph serves prefill
+(past_sequence = 0) and decode:
+
+    inputs   input_ids [batch, sequence] int64
+             attention_mask [batch, past_sequence + sequence] int64  (1 = token, 0 = left padding)
+             past_key_values.{i}.key / .value [batch, n_head, past_sequence, head_dim]   (past only)
+             expert_noise [batch, sequence, K] float32                                   (sampled noise only)
+    outputs  logits [batch, sequence, vocab]
+             present.{i}.key / .value [batch, n_head, past_sequence + sequence, head_dim] (past only)
+             expert_starts.{i} [batch, sequence, K] int64                                (with starts only)
+
+The exporter, the validator, the PyTorch and onnxruntime runners and generation all use this
+class, so the names cannot drift apart.
+"""
+
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import onnx
+import torch
+
+from ..errors import InfMoEError
+from ..model import NOISE_MODES, InfMoEConfig, Output
+
+BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+@dataclass(frozen=True)
+class DecoderIO:
+    config: InfMoEConfig
+    k: int
+    noise: str = "quantile"
+    past: bool = True
+    with_starts: bool = False
+    dtype: str = "fp32"
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise InfMoEError(f"expert budget K must be a positive integer, got {self.k!r}")
+        if self.noise not in NOISE_MODES:
+            raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {self.noise!r}")
+        if self.dtype not in DTYPES:
+            raise InfMoEError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+    # -- names and shapes --------------------------------------------------------------------
+
+    @property
+    def past_names(self) -> List[str]:
+        if not self.past:
+            return []
+        return [f"past_key_values.{i}.{kv}" for i in range(self.config.n_layer) for kv in ("key", "value")]
+
+    @property
+    def input_names(self) -> List[str]:
+        noise = ["expert_noise"] if self.noise == "sampled" else []
+        return ["input_ids", "attention_mask"] + self.past_names + noise
+
+    @property
+    def output_names(self) -> List[str]:
+        names = ["logits"]
+        if self.past:
+            names += [f"present.{i}.{kv}" for i in range(self.config.n_layer) for kv in ("key", "value")]
+        if self.with_starts:
+            names += [f"expert_starts.{i}" for i in range(self.config.n_layer)]
+        return names
+
+    def shapes(self) -> Dict[str, list]:
+        """Every input and output: its shape, a dim name (str) where dynamic, an int where fixed."""
+        c = self.config
+        kv = [BATCH, c.n_head, PAST, c.head_dim]
+        shapes = {"input_ids": [BATCH, SEQUENCE], "attention_mask": [BATCH, TOTAL if self.past else SEQUENCE],
+                  "expert_noise": [BATCH, SEQUENCE, self.k], "logits": [BATCH, SEQUENCE, c.vocab_size]}
+        for name in self.past_names:
+            shapes[name] = kv
+            shapes[name.replace("past_key_values", "present")] = [BATCH, c.n_head, TOTAL, c.head_dim]
+        for i in range(c.n_layer):
+            shapes[f"expert_starts.{i}"] = [BATCH, SEQUENCE, self.k]
+        return {name: shapes[name] for name in self.input_names + self.output_names}
+
+    def dtypes(self) -> Dict[str, type]:
+        float_type = DTYPES[self.dtype]
+        types = {name: float_type for name in self.input_names + self.output_names}
+        types.update({"input_ids": np.int64, "attention_mask": np.int64, "expert_noise": np.float32})
+        types.update({name: np.int64 for name in self.output_names if name.startswith("expert_starts.")})
+        return types
+
+    # -- feeds -------------------------------------------------------------------------------
+
+    def feed(self, input_ids, attention_mask, past: Optional[Sequence] = None, expert_noise=None) -> "OrderedDict":
+        """An input feed (numpy, ONNX names) from arrays; past is the flat list of present arrays."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        feed = OrderedDict(input_ids=input_ids, attention_mask=np.asarray(attention_mask, dtype=np.int64))
+        if self.past:
+            if past is None:  # prefill: an empty cache
+                c = self.config
+                empty = np.zeros((input_ids.shape[0], c.n_head, 0, c.head_dim), dtype=DTYPES[self.dtype])
+                past = [empty] * len(self.past_names)
+            feed.update(zip(self.past_names, past))
+        if self.noise == "sampled":
+            if expert_noise is None:
+                raise InfMoEError("a sampled-noise model needs expert_noise [batch, sequence, K]")
+            feed["expert_noise"] = np.asarray(expert_noise, dtype=np.float32)
+        return feed
+
+    def dummy_inputs(self, batch: int = 2, sequence: int = 5, past_sequence: int = 3, left_pad: int = 1,
+                     seed: int = 0) -> "OrderedDict":
+        """Random inputs: byte ids, the first row left-padded by left_pad tokens, a random cache
+        and noise. Sizes above 1 keep torch.export from specialising a dynamic dim."""
+        c = self.config
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, min(256, c.vocab_size), (batch, sequence))
+        mask = np.ones((batch, past_sequence + sequence), dtype=np.int64)
+        mask[0, :left_pad] = 0
+        past = [rng.standard_normal((batch, c.n_head, past_sequence, c.head_dim)).astype(DTYPES[self.dtype])
+                for _ in self.past_names] if self.past else None
+        noise = rng.standard_normal((batch, sequence, self.k)) if self.noise == "sampled" else None
+        return self.feed(ids, mask, past, noise)
+
+    def flatten(self, output: Output) -> "OrderedDict":
+        """The reference model's Output as {ONNX output name: tensor}."""
+        tensors = [output.logits]
+        if self.past:
+            tensors += [t for kv in output.present for t in kv]
+        if self.with_starts:
+            tensors += list(output.starts)
+        return OrderedDict(zip(self.output_names, tensors))
+
+    # -- metadata ----------------------------------------------------------------------------
+
+    def metadata(self, opset: int, has_function: bool) -> Dict[str, str]:
+        """The model's metadata_props: everything a runtime or report needs, no side files."""
+        from .. import __version__
+
+        return {"infmoe.config": json.dumps(self.config.to_dict(), sort_keys=True), "infmoe.k": str(self.k),
+                "infmoe.noise": self.noise, "infmoe.past": str(int(self.past)),
+                "infmoe.with_starts": str(int(self.with_starts)), "infmoe.dtype": self.dtype,
+                "infmoe.opset": str(opset), "infmoe.has_function": str(int(has_function)),
+                "infmoe.exporter_version": __version__}
+
+    @classmethod
+    def from_metadata(cls, props: Dict[str, str]) -> "DecoderIO":
+        try:
+            config = InfMoEConfig.from_dict(json.loads(props["infmoe.config"]))
+            return cls(config, int(props["infmoe.k"]), props["infmoe.noise"], props["infmoe.past"] == "1",
+                       props["infmoe.with_starts"] == "1", props["infmoe.dtype"])
+        except (KeyError, ValueError) as error:
+            raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
+
+
+def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
+    """metadata_props of an ONNX file, without loading its weights."""
+    if not os.path.isfile(path):
+        raise InfMoEError(f"ONNX model {path} does not exist or is not a file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as error:  # protobuf's DecodeError and friends
+        raise InfMoEError(f"{path} is not a readable ONNX model ({type(error).__name__})") from None
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def model_io(path) -> DecoderIO:
+    """The DecoderIO an exported file was made with, from its metadata."""
+    return DecoderIO.from_metadata(read_metadata(path))

@@ -1,0 +1,195 @@
+"""Validate an exported model against the PyTorch reference, like Optimum's validate_model_outputs.
+
+Run onnxruntime and the reference on the same generated inputs — a left-padded batch-2
+prefill (past_sequence = 0), then one decode step on the reference's cache — and check output
+names, dim names, shapes, then values: max abs / rel difference per output, over all tokens
+and over tokens whose window starts agree in every layer (SPEC §5), and the share of starts
+that agree. Starts are read from the graph itself: a copy of the model lists each
+ContinuousSliceFFN node's `starts` input as an extra output.
+
+On failure the exported file is kept (as Optimum does): it is a complete model, useful to
+inspect, and the error names it.
+"""
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..errors import InfMoEError
+from ..model import InfMoEGPT
+from .function import DOMAIN, OP_TYPE
+from .io import DecoderIO, model_io
+
+# fp32: the brief's bound. fp16: weights and activations carry 11 bits, so logits of order 1-10
+# differ by ~1e-2; starts move when the router's fp16 input lands near a window boundary.
+DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2}
+MIN_START_AGREEMENT = {"fp32": 0.999, "fp16": 0.95}
+
+
+@dataclass
+class OutputCheck:
+    step: str
+    name: str
+    shape: tuple
+    max_abs: float            # over all tokens
+    max_rel: float
+    max_abs_agreeing: float   # over tokens whose starts agree in every layer
+    ok: bool
+
+
+@dataclass
+class ValidationReport:
+    path: Path
+    atol: float
+    outputs: List[OutputCheck] = field(default_factory=list)
+    start_agreement: Optional[float] = None   # None: a dense model has no starts to compare
+    min_start_agreement: float = 0.999
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def table(self):
+        from rich.table import Table
+
+        agreement = "n/a (dense)" if self.start_agreement is None else f"{100 * self.start_agreement:.3f}%"
+        table = Table(title=f"validation of {self.path.name}: atol {self.atol:g}, starts agree {agreement}")
+        for column in ("step", "output", "shape", "max abs", "max rel", "max abs (starts agree)", ""):
+            table.add_column(column, justify="right" if column.startswith("max") else "left")
+        for c in self.outputs:
+            table.add_row(c.step, c.name, "x".join(map(str, c.shape)), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
+                          f"{c.max_abs_agreeing:.3g}", "ok" if c.ok else "[red]FAIL[/red]")
+        return table
+
+
+def _with_starts_outputs(path: Path, io: DecoderIO) -> Optional[Path]:
+    """A sibling copy of the model whose outputs include every layer's starts (None if it
+    already has them). Beside the original so that external data still resolves."""
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+    if io.with_starts or not nodes:
+        return None
+    for i, node in enumerate(nodes):  # the exporter emits them in layer order
+        model.graph.output.append(helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None))
+    fd, copy = tempfile.mkstemp(prefix=f".{path.name}.validate.", suffix=".onnx", dir=path.parent)
+    os.close(fd)
+    onnx.save(model, copy)
+    return Path(copy)
+
+
+def _compare(report: ValidationReport, step: str, io: DecoderIO, expected: Dict[str, np.ndarray],
+             actual: Dict[str, np.ndarray], starts_actual: List[np.ndarray]):
+    """Append one row per output to the report."""
+    if list(actual) != io.output_names:
+        report.problems.append(f"{step}: output names {list(actual)} differ from {io.output_names}")
+        return
+    starts_expected = [expected[f"expert_starts.{i}"] for i in range(io.config.n_layer)]
+    batch, sequence = expected["logits"].shape[:2]
+    agree = np.ones((batch, sequence), dtype=bool)
+    if starts_actual:
+        for e, a in zip(starts_expected, starts_actual):
+            agree &= (e == a).all(axis=-1)
+    for name in io.output_names:
+        e, a = expected[name], actual[name]
+        if e.shape != a.shape:
+            report.problems.append(f"{step}: {name} has shape {list(a.shape)}, expected {list(e.shape)}")
+            continue
+        if name.startswith("expert_starts."):
+            continue  # counted in the agreement below
+        diff = np.abs(a.astype(np.float64) - e.astype(np.float64))
+        rel = diff / np.maximum(np.abs(e.astype(np.float64)), 1e-6)
+        # Token axis: 1 for logits, 2 (the last `sequence` positions) for present key/value.
+        tokens = diff if name == "logits" else diff[:, :, -sequence:].transpose(0, 2, 1, 3)
+        agreeing = tokens[agree]
+        max_agreeing = float(agreeing.max()) if agreeing.size else 0.0
+        ok = max_agreeing <= report.atol and np.isfinite(a).all()
+        report.outputs.append(OutputCheck(step, name, a.shape, float(diff.max()), float(rel.max()),
+                                          max_agreeing, ok))
+        if not ok:
+            report.problems.append(f"{step}: {name} differs by {max_agreeing:.3g} > atol {report.atol:g} "
+                                   "over tokens whose starts agree")
+
+
+def _check_dims(report: ValidationReport, session, io: DecoderIO):
+    wanted = io.shapes()
+    for arg in list(session.get_inputs()) + list(session.get_outputs())[:len(io.output_names)]:
+        if arg.name in wanted and list(arg.shape) != wanted[arg.name]:
+            report.problems.append(f"{arg.name} has dims {arg.shape}, expected {wanted[arg.name]}")
+
+
+def validate_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, atol: Optional[float] = None,
+                  kernel: bool = True, providers=None, sequence: int = 7, seed: int = 0,
+                  raise_on_failure: bool = True) -> ValidationReport:
+    """Check path against model (see module doc). Raises InfMoEError on failure unless
+    raise_on_failure is False; the report's table() renders the numbers either way."""
+    from ..runtimes.onnxruntime import create_session
+    from ..runtimes.torch_runner import TorchRunner
+
+    path = Path(path)
+    io = model_io(path)
+    if io.config != model.config:
+        raise InfMoEError(f"{path} was exported from a different model config than the one given")
+    report = ValidationReport(path, DEFAULT_ATOL[io.dtype] if atol is None else atol,
+                              min_start_agreement=MIN_START_AGREEMENT[io.dtype])
+    copy = _with_starts_outputs(path, io)
+    try:
+        session = create_session(copy or path, kernel=kernel, providers=providers)
+        _check_dims(report, session, io)
+        names = [o.name for o in session.get_outputs()]
+        reference = TorchRunner(model, io.k, io.noise, past=io.past, with_starts=True)
+
+        def run(feed):
+            actual = dict(zip(names, session.run(None, dict(feed))))
+            starts = [actual.pop(n) for n in names[len(io.output_names):]]
+            if io.with_starts:
+                starts = [actual[f"expert_starts.{i}"] for i in range(io.config.n_layer)]
+            return reference.infer(feed, check_inputs=False), actual, starts
+
+        with reference:
+            prefill = io.dummy_inputs(batch=2, sequence=sequence, past_sequence=0, left_pad=2, seed=seed)
+            expected, actual, starts = run(prefill)
+            agree_counts = [_agreement(io, expected, starts)]
+            _compare(report, "prefill", io, expected, actual, starts)
+            # The second step: one decode token on the reference's cache, or (no past) a new
+            # batch and length, so that every dynamic dim takes a second value.
+            rng = np.random.default_rng(seed + 1)
+            if io.past:
+                mask = np.concatenate([prefill["attention_mask"], np.ones((2, 1), np.int64)], axis=1)
+                past = [expected[n.replace("past_key_values", "present")].astype(io.dtypes()[n])
+                        for n in io.past_names]
+                noise = rng.standard_normal((2, 1, io.k)) if io.noise == "sampled" else None
+                step, feed = "decode", io.feed(rng.integers(0, 256, (2, 1)), mask, past, noise)
+            else:
+                step, feed = "batch 3", io.dummy_inputs(batch=3, sequence=sequence - 2, past_sequence=0,
+                                                        left_pad=1, seed=seed + 1)
+            expected, actual, starts = run(feed)
+            agree_counts.append(_agreement(io, expected, starts))
+            _compare(report, step, io, expected, actual, starts)
+    finally:
+        if copy is not None:
+            copy.unlink()
+
+    if all(count is not None for count in agree_counts):
+        same, total = map(sum, zip(*agree_counts))
+        report.start_agreement = same / total
+        if report.start_agreement < report.min_start_agreement:
+            report.problems.append(f"only {100 * report.start_agreement:.2f}% of window starts agree "
+                                   f"(need {100 * report.min_start_agreement:g}%)")
+    if raise_on_failure and not report.passed:
+        raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")
+    return report
+
+
+def _agreement(io: DecoderIO, expected, starts) -> Optional[tuple]:
+    """(equal starts, all starts) for one step; None for a dense model (no starts in the graph)."""
+    if not starts:
+        return None
+    same = sum(int((expected[f"expert_starts.{i}"] == s).sum()) for i, s in enumerate(starts))
+    return same, sum(s.size for s in starts)

@@ -1,0 +1,186 @@
+"""`infmoe-export pipeline`, the main job: checkpoint → one ONNX model per K → validation →
+kernel → TensorRT engines (when TensorRT is installed) → parity → latency → reports.
+
+Every model is exported with its expert_starts outputs (SPEC §5's start agreement needs them),
+in both noise modes, so that the trade-off shows perplexity over K for each. Latency is measured
+on the quantile models (the deployment mode) at every batch and sequence length, and on the
+sampled ones at batch-1 decode only: the two graphs differ by one input, so that is enough to
+show it costs nothing and keeps the job short.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import InfMoEError
+from .model import NOISE_MODES
+
+DEFAULT_OUT = Path("runs") / "pipeline"
+BATCHES, PREFILL = (1, 4), 128
+
+
+class Stages:
+    """A rich progress bar per stage, and the report's record of each stage."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = console
+        self.progress = Progress(TextColumn("{task.fields[stage]:<9}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=console)
+        self.records = []
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+        return False
+
+    def run(self, name: str, total: int, work):
+        """Run work(advance) where advance(description) moves this stage's bar by one item."""
+        task = self.progress.add_task("", total=total, stage=name)
+        started = time.perf_counter()
+        first = [True]
+
+        def advance(description: str = ""):
+            if not first[0]:
+                self.progress.advance(task)
+            first[0] = False
+            self.progress.update(task, description=description)
+
+        try:
+            status, note = work(advance)
+        except InfMoEError as error:
+            self.records.append({"name": name, "status": "failed", "seconds": time.perf_counter() - started,
+                                 "note": str(error)})
+            raise
+        self.progress.update(task, completed=total, description=note or "")
+        self.records.append({"name": name, "status": status, "seconds": time.perf_counter() - started, "note": note})
+        if note:
+            self.progress.console.print(f"{name}: {note}")
+
+
+@click.command("pipeline")
+@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
+@click.option("--out", type=click.Path(), default=str(DEFAULT_OUT), show_default=True,
+              help="Directory for the models, engines and report.html / report.md / report.json.")
+@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--max-windows", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Windows of n_positions tokens of validation text for parity.")
+@click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per latency figure.")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
+def pipeline_command(checkpoint, out, ks, max_windows, iters, warmup, threads):
+    """The main job: export, validate, parity, latency, reports."""
+    import torch
+    from rich.console import Console
+
+    from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+    from .evaluate import parse_ks
+    from .export import export_onnx, validate_onnx
+    from .report import backends as backends_lib
+    from .report.bench import DEFAULT_PAST, run_bench
+    from .report.parity import failure_line, run_parity
+    from .report.render import build_report, prepare_out_dir, summary_table, write_report
+    from .report.timing import environment
+    from .runtimes import ort_kernel
+    from .runtimes.tensorrt import tensorrt_available
+
+    ks = parse_ks(ks)
+    out = prepare_out_dir(Path(out))
+    if threads:
+        torch.set_num_threads(threads)
+    console = Console(stderr=False)
+    torch_model = load_checkpoint(checkpoint)
+    models_dir = out / "models"
+    models_dir.mkdir(exist_ok=True)
+    models = []
+    engines = None
+    notes = []
+
+    with Stages(console) as stages:
+        def export(advance):
+            for noise in NOISE_MODES:
+                for k in ks:
+                    advance(f"K={k} {noise}")
+                    path = export_onnx(torch_model, models_dir / f"model_k{k}_{noise}.onnx", k=k, noise=noise,
+                                       with_starts=True)
+                    models.append(backends_lib.read_model(path))
+            return "ok", f"{len(models)} models in {models_dir}"
+
+        def validate(advance):
+            for model in models:
+                advance(model.path.name)
+                validate_onnx(torch_model, model.path)
+            return "ok", None
+
+        def kernel(advance):
+            advance("looking for the library")
+            if ort_kernel.custom_op_library() is not None:
+                return "ok", None
+            advance("building plugins/onnxruntime")
+            try:
+                ort_kernel.build_kernel()
+            except InfMoEError as error:
+                return "skipped", f"{error}; onnxruntime runs the fallback function only"
+            return "ok", "built"
+
+        def tensorrt(advance):
+            nonlocal engines
+            advance("")
+            if not tensorrt_available():
+                return "skipped", ("TensorRT is not installed, no engines built "
+                                   "(pip install 'infmoe-export[tensorrt]' on a machine with an NVIDIA GPU)")
+            from .runtimes.tensorrt import build_engines, export_models
+
+            advance("exporting without the fallback function")
+            folder = out / "engines"
+            planned = export_models(checkpoint, ks, folder / "onnx", "fp32", with_starts=True)
+            advance("building engines")
+            engines = build_engines(planned, folder, fp16=False, timing_cache=folder / "timing.cache",
+                                    max_batch=max(BATCHES), max_seq=None, jit=False)
+            return "ok", f"engines in {engines}"
+
+        def parity(advance):
+            nonlocal parity_section
+            parity_section = run_parity(torch_model, models, backends=["ort", "ort-fallback", "trt"],
+                                        engines=engines, max_windows=max_windows, progress=advance)
+            return ("failed" if failure_line(parity_section) else "ok"), None
+
+        def latency(advance):
+            nonlocal bench_section
+            # Prefill of 128 tokens and decode with a cache of 128, or as long as the model allows.
+            n = torch_model.config.n_positions
+            common = dict(backends=["torch", "ort", "ort-fallback", "trt"], warmup=warmup, iters=iters,
+                          past=min(DEFAULT_PAST, n - 1), engines=engines, threads=threads)
+            quantile = run_bench(torch_model, [m for m in models if m.noise == "quantile"], batches=BATCHES,
+                                 seqs=(1, min(PREFILL, n)), **common, progress=advance)
+            sampled = run_bench(torch_model, [m for m in models if m.noise == "sampled"], batches=(1,), seqs=(1,),
+                                **common, progress=advance)
+            bench_section = {**quantile, "results": quantile["results"] + sampled["results"]}
+            return "ok", None
+
+        parity_section = bench_section = None
+        n_models = len(ks) * len(NOISE_MODES)
+        stages.run("export", n_models, export)
+        stages.run("validate", n_models, validate)
+        stages.run("kernel", 2, kernel)
+        stages.run("tensorrt", 2, tensorrt)
+        stages.run("parity", n_models, parity)
+        stages.run("latency", 4 * n_models, latency)
+
+    notes += [r["note"] for r in stages.records if r["status"] == "skipped"]
+    report = build_report("pipeline", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
+                          torch_model.config.to_dict(), environment(threads), parity=parity_section, bench=bench_section,
+                          stages=stages.records, notes=notes)
+    paths = write_report(report, out)
+    console.print(summary_table(report))
+    console.print(f"report: {paths['html']} (also {paths['markdown'].name}, {paths['json'].name})")
+    failure = failure_line(parity_section)
+    if failure:
+        raise InfMoEError(failure)

@@ -1,0 +1,255 @@
+"""`infmoe-export parity`: SPEC §5 parity of every backend against the PyTorch reference.
+
+Polygraphy runs the backends on the same feed dicts (Comparator.run) and judges the logits
+with its own per-output tolerance semantics (Comparator.compare_accuracy + SimpleCompareFunc,
+element-wise: an element passes when within atol OR within rtol of the reference). What
+Polygraphy cannot know is ours: which tokens' window starts agree (the comparison is made over
+those tokens, SPEC §5), the error statistics per token, top-1 agreement, and perplexity.
+"""
+
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import click
+import numpy as np
+
+from ..errors import InfMoEError
+from . import backends as backends_lib
+
+DEFAULT_ATOL = 1e-3
+DEFAULT_RTOL = 1e-3
+DEFAULT_MIN_START_AGREEMENT = 0.999
+DEFAULT_MAX_WINDOWS = 8
+BATCH_SIZE = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Text and feeds
+
+
+def text_windows(texts: Sequence[str], n_positions: int, max_windows: int):
+    """Full-length windows of n_positions tokens (so batches need no padding) of the given text
+    files, or of the stdlib validation split; at most max_windows of them."""
+    from ..data import corpus_bytes, read_texts, windows
+
+    data = read_texts(texts) if texts else corpus_bytes("validation")
+    chunks = [w for w in windows(data, n_positions) if len(w) == n_positions][:max_windows]
+    if not chunks:
+        raise InfMoEError(f"text too short: parity needs at least {n_positions} tokens (one full window)")
+    label = ", ".join(str(t) for t in texts) if texts else "the stdlib validation split"
+    return chunks, label
+
+
+def feeds_for(model_info: "backends_lib.OnnxModel", chunks, seed: int) -> List[OrderedDict]:
+    """Feed dicts of BATCH_SIZE windows each, prefill from an empty cache; sampled-noise models
+    get the eval command's seeded noise (evaluate.sampled_noise), so perplexities match it."""
+    from ..evaluate import sampled_noise
+
+    noise = sampled_noise(chunks, model_info.k, seed) if model_info.noise == "sampled" else None
+    feeds = []
+    for start in range(0, len(chunks), BATCH_SIZE):
+        ids = np.stack([c.numpy() for c in chunks[start:start + BATCH_SIZE]])
+        eps = np.stack([n.numpy() for n in noise[start:start + BATCH_SIZE]]) if noise is not None else None
+        feeds.append(model_info.feed(ids, expert_noise=eps))
+    return feeds
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics Polygraphy does not compute
+
+
+def starts_of(outputs: Dict[str, np.ndarray]) -> Optional[np.ndarray]:
+    """[B, T, layers, K] start indices from the expert_starts.{i} outputs, None when absent."""
+    names = sorted((n for n in outputs if n.startswith("expert_starts.")), key=lambda n: int(n.split(".")[1]))
+    return np.stack([outputs[n] for n in names], axis=2) if names else None
+
+
+def perplexity(logits: Sequence[np.ndarray], ids: Sequence[np.ndarray]) -> float:
+    """exp(mean next-token NLL): every window predicts its 2nd..last token (as evaluate.py)."""
+    total, count = 0.0, 0
+    for lg, tokens in zip(logits, ids):
+        lg = lg[:, :-1].astype(np.float64)
+        top = lg.max(axis=-1, keepdims=True)
+        log_z = np.log(np.exp(lg - top).sum(axis=-1)) + top[..., 0]
+        target = np.take_along_axis(lg, tokens[:, 1:, None], axis=-1)[..., 0]
+        total += float((log_z - target).sum())
+        count += target.size
+    return math.exp(total / count)
+
+
+def error_stats(reference: np.ndarray, test: np.ndarray) -> dict:
+    """reference/test [N, V]: statistics over the N tokens of each token's max |difference|."""
+    if reference.shape[0] == 0:
+        return {"tokens": 0, "max": None, "mean": None, "p50": None, "p90": None, "p99": None, "max_rel": None}
+    diff = np.abs(test.astype(np.float64) - reference)
+    per_token = diff.max(axis=-1)
+    rel = diff / np.maximum(np.abs(reference), np.finfo(np.float32).tiny)
+    return {"tokens": int(per_token.size), "max": float(per_token.max()), "mean": float(per_token.mean()),
+            **{f"p{p}": float(np.percentile(per_token, p)) for p in (50, 90, 99)},
+            "max_rel": float(rel.max())}
+
+
+def polygraphy_passes(reference: np.ndarray, test: np.ndarray, name: str, atol: float, rtol: float) -> bool:
+    """Polygraphy's verdict on the logits of the compared tokens ([N, V] each)."""
+    from polygraphy.comparator import Comparator, RunResults
+    from polygraphy.comparator.compare import SimpleCompareFunc
+    from polygraphy.logger import G_LOGGER
+
+    results = RunResults()
+    results.add([{"logits": reference}], runner_name="torch")
+    results.add([{"logits": test}], runner_name=name)
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+        verdict = Comparator.compare_accuracy(
+            results, compare_func=SimpleCompareFunc(atol={"logits": atol}, rtol={"logits": rtol},
+                                                    check_error_stat="elemwise"))
+    return bool(verdict)
+
+
+def compare_backend(name: str, reference: List[dict], test: List[dict], ids: List[np.ndarray],
+                    atol: float, rtol: float, min_start_agreement: float) -> dict:
+    """SPEC §5's figures of one backend against the reference, over all iterations."""
+    ref_logits = np.concatenate([r["logits"].reshape(-1, r["logits"].shape[-1]) for r in reference])
+    test_logits = np.concatenate([t["logits"].reshape(-1, t["logits"].shape[-1]) for t in test])
+    ref_starts = [starts_of(r) for r in reference]
+    test_starts = [starts_of(t) for t in test]
+    row = {"perplexity": perplexity([t["logits"] for t in test], ids),
+           "top1_agreement": float((ref_logits.argmax(-1) == test_logits.argmax(-1)).mean()),
+           "error_all": error_stats(ref_logits, test_logits),
+           "start_agreement": None, "agreeing_token_share": None, "error_agreeing": None}
+    compared = np.ones(len(ref_logits), dtype=bool)
+    problems = []
+    if all(s is not None for s in ref_starts + test_starts):
+        same = np.concatenate([(r == t).reshape(len(r) * r.shape[1], -1) for r, t in zip(ref_starts, test_starts)])
+        compared = same.all(axis=1)
+        row["start_agreement"] = float(same.mean())
+        row["agreeing_token_share"] = float(compared.mean())
+        row["error_agreeing"] = error_stats(ref_logits[compared], test_logits[compared])
+        if row["start_agreement"] < min_start_agreement:
+            problems.append(f"only {100 * row['start_agreement']:.2f}% of starts agree "
+                            f"(< {100 * min_start_agreement:g}%)")
+    if compared.any() and not polygraphy_passes(ref_logits[compared], test_logits[compared], name, atol, rtol):
+        stats = row["error_agreeing"] or row["error_all"]
+        problems.append(f"logits beyond atol {atol:g} / rtol {rtol:g} (max |Δ| {stats['max']:.3g}"
+                        f"{' on tokens whose starts agree' if row['error_agreeing'] else ''})")
+    row["status"] = "fail" if problems else "pass"
+    row["reason"] = "; ".join(problems) or None
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the backends
+
+
+def run_parity(torch_model, models: List["backends_lib.OnnxModel"], *, backends: Sequence[str],
+               engines: Optional[Path] = None, texts: Sequence[str] = (), max_windows: int = DEFAULT_MAX_WINDOWS,
+               atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
+               min_start_agreement: float = DEFAULT_MIN_START_AGREEMENT, seed: int = 0,
+               progress=None) -> dict:
+    """The report's parity section: one reference row and one row per backend for every model.
+    progress(description) is called before each model (the pipeline's progress bar)."""
+    from polygraphy.comparator import Comparator
+    from polygraphy.logger import G_LOGGER
+
+    chunks, label = text_windows(texts, torch_model.config.n_positions, max_windows)
+    results = []
+    for info in models:
+        if progress:
+            progress(f"K={info.k} {info.noise}")
+        feeds = feeds_for(info, chunks, seed)
+        ids = [feed["input_ids"] for feed in feeds]
+        runners, rows = [], {}
+        for backend in backends:
+            reason = backends_lib.unavailable(backend, info, engines)
+            if reason:
+                rows[backend] = skipped_row(backend, info, reason)
+            else:
+                runners.append(backends_lib.make_runner(backend, info, torch_model, engines))
+        reference = backends_lib.make_runner("torch", info, torch_model, engines)
+        with G_LOGGER.verbosity(G_LOGGER.ERROR):
+            run = Comparator.run([reference] + runners, data_loader=feeds)
+        outputs = {name: [dict(iteration.items()) for iteration in iterations] for name, iterations in run.items()}
+        seconds = {name: sum(iteration.runtime or 0.0 for iteration in iterations) for name, iterations in run.items()}
+        ref_ppl = perplexity([o["logits"] for o in outputs[reference.name]], ids)
+        results.append({**blank_row("torch", info), "status": "reference", "perplexity": ref_ppl,
+                        "reference_perplexity": ref_ppl, "top1_agreement": 1.0, "seconds": seconds[reference.name]})
+        for runner in runners:
+            rows[runner.name] = {**blank_row(runner.name, info), "seconds": seconds[runner.name],
+                                 **compare_backend(runner.name, outputs[reference.name], outputs[runner.name],
+                                                   ids, atol, rtol, min_start_agreement)}
+        results += [{**rows[backend], "reference_perplexity": ref_ppl} for backend in backends]
+    settings = {"atol": atol, "rtol": rtol, "min_start_agreement": min_start_agreement, "windows": len(chunks),
+                "tokens": len(chunks) * len(chunks[0]), "text": label, "seed": seed}
+    return {"settings": settings, "results": results}
+
+
+def blank_row(backend: str, info) -> dict:
+    return {"backend": backend, "k": info.k, "noise": info.noise, "model": str(info.path), "status": None,
+            "reason": None, "perplexity": None, "reference_perplexity": None, "top1_agreement": None,
+            "start_agreement": None, "agreeing_token_share": None, "error_all": None, "error_agreeing": None,
+            "seconds": None}
+
+
+def skipped_row(backend: str, info, reason: str) -> dict:
+    return {**blank_row(backend, info), "status": "skipped", "reason": reason}
+
+
+def failure_line(parity: dict) -> Optional[str]:
+    """One line naming every backend out of tolerance, None when all passed."""
+    failed = [f"{r['backend']} (K={r['k']}, {r['noise']}): {r['reason']}"
+              for r in parity["results"] if r["status"] == "fail"]
+    return ("parity failed for " + "; ".join(failed)) if failed else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+@click.command("parity")
+@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
+@click.option("--model", "model_paths", type=click.Path(), multiple=True, required=True,
+              help="ONNX model(s) from `infmoe-export onnx`, or a directory of per-K models (repeatable).")
+@click.option("--engines", type=click.Path(), default=None, help="Directory of TensorRT engines (`infmoe-export trt`).")
+@click.option("--text", "texts", type=click.Path(), multiple=True,
+              help="Text file(s) to run on (default: the stdlib validation split).")
+@click.option("--out", type=click.Path(), required=True, help="Directory for report.json / .md / .html.")
+@click.option("--k", "ks", default=None, help="Only these expert budgets, comma-separated (default: every model given).")
+@click.option("--backends", "backend_list", default="ort,ort-fallback,trt", show_default=True,
+              help="Backends to compare against the PyTorch reference.")
+@click.option("--atol", type=click.FloatRange(min=0), default=DEFAULT_ATOL, show_default=True)
+@click.option("--rtol", type=click.FloatRange(min=0), default=DEFAULT_RTOL, show_default=True)
+@click.option("--min-start-agreement", type=click.FloatRange(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
+              show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
+@click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
+              help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
+def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_list, atol, rtol,
+                   min_start_agreement, max_windows, seed):
+    """Parity of every backend against the PyTorch reference (SPEC §5)."""
+    import sys
+
+    from rich.console import Console
+
+    from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+    from .render import build_report, prepare_out_dir, summary_table, write_report
+    from .timing import environment
+
+    backends = backends_lib.parse_backends(backend_list, allow_torch=False)
+    prepare_out_dir(Path(out), create=False)
+    torch_model = load_checkpoint(checkpoint)
+    models = backends_lib.find_models(model_paths, ks=backends_lib.parse_ks(ks) if ks else None)
+    backends_lib.check_models(models, torch_model.config)
+    parity = run_parity(torch_model, models, backends=backends, engines=Path(engines) if engines else None,
+                        texts=texts, max_windows=max_windows, atol=atol, rtol=rtol,
+                        min_start_agreement=min_start_agreement, seed=seed)
+    report = build_report("parity", "infmoe-export " + " ".join(sys.argv[1:]),
+                          str(checkpoint or DEFAULT_CHECKPOINT), torch_model.config.to_dict(), environment(),
+                          parity=parity)
+    paths = write_report(report, Path(out))
+    console = Console()
+    console.print(summary_table(report))
+    console.print(f"report: {paths['html']}")
+    failure = failure_line(parity)
+    if failure:
+        raise InfMoEError(failure)

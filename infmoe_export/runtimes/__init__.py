@@ -1,0 +1,1 @@
+"""Runtimes: onnxruntime (with the compiled kernel), TensorRT, generation."""

@@ -1,0 +1,89 @@
+"""The compiled onnxruntime kernel for `infmoe::ContinuousSliceFFN` (plugins/onnxruntime).
+
+Find it, build it, register it on a SessionOptions. When the library is absent, every model
+still runs on its ONNX fallback function (SPEC §4), only more slowly; `register` says so once.
+"""
+
+import os
+import pathlib
+import subprocess
+import warnings
+from typing import Optional
+
+from ..errors import InfMoEError
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
+REPO_DIR = PACKAGE_DIR.parent
+# build.sh copies the Release library here (git-ignored); INFMOE_ORT_LIBRARY overrides it.
+LIBRARY_PATH = PACKAGE_DIR / "lib" / "libinfmoe_ort.so"
+BUILD_SCRIPT = REPO_DIR / "plugins" / "onnxruntime" / "build.sh"
+ENV_VAR = "INFMOE_ORT_LIBRARY"
+
+_warned = False
+
+
+def custom_op_library() -> Optional[pathlib.Path]:
+    """The library to load: $INFMOE_ORT_LIBRARY if set, else the built one, else None."""
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return pathlib.Path(override)
+    return LIBRARY_PATH if LIBRARY_PATH.is_file() else None
+
+
+def build_kernel(quiet: bool = True) -> pathlib.Path:
+    """Build the library with plugins/onnxruntime/build.sh and return its path."""
+    if not BUILD_SCRIPT.is_file():
+        raise InfMoEError(f"cannot build the onnxruntime kernel: {BUILD_SCRIPT} is missing "
+                          "(not a source checkout)")
+    output = subprocess.PIPE if quiet else None
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=output, stderr=subprocess.STDOUT if quiet else None,
+                            text=True)
+    if result.returncode != 0:
+        last = (result.stdout or "").strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
+        raise InfMoEError(f"building the onnxruntime kernel failed: {last[0]}")
+    if not LIBRARY_PATH.is_file():
+        raise InfMoEError(f"building the onnxruntime kernel did not produce {LIBRARY_PATH}")
+    return LIBRARY_PATH
+
+
+def register(session_options) -> bool:
+    """Register the kernel on an onnxruntime.SessionOptions; False (said once) when absent."""
+    global _warned
+    library = custom_op_library()
+    if library is None or not library.is_file():
+        if not _warned:
+            where = f"{ENV_VAR}={library}" if library is not None else str(LIBRARY_PATH)
+            warnings.warn(f"onnxruntime kernel library not found ({where}); ContinuousSliceFFN runs "
+                          "on the slower ONNX fallback function (build it with plugins/onnxruntime/build.sh)",
+                          stacklevel=2)
+            _warned = True
+        return False
+    try:
+        session_options.register_custom_ops_library(str(library))
+    except Exception as error:  # onnxruntime raises its own exception types
+        raise InfMoEError(f"cannot load the onnxruntime kernel {library}: {str(error).splitlines()[0]}") from None
+    return True
+
+
+def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False):
+    """A one-node ONNX model of the op, every input of free shape (tests, fuzz, benchmark).
+
+    with_function attaches the exporter's standard-op fallback function, which onnxruntime
+    runs when the kernel library is not registered."""
+    from onnx import TensorProto, helper
+
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    names = ["X", "starts", "w_in", "b_in", "w_out", "b_out"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "starts" else elem, None) for n in names]
+    node = helper.make_node("ContinuousSliceFFN", names, ["Y"], domain="infmoe", slice_width=slice_width,
+                            activation=activation, plugin_namespace="infmoe", plugin_version="1")
+    graph = helper.make_graph([node], "continuous_slice_ffn", inputs,
+                              [helper.make_tensor_value_info("Y", elem, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("infmoe", 1)]
+    functions = []
+    if with_function:
+        from ..export.function import ContinuousSliceFFN
+
+        functions.append(ContinuousSliceFFN.to_function_proto())
+    # IR 10 is read by every onnxruntime this project supports (>= 1.20).
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

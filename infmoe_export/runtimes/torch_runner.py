@@ -1,0 +1,58 @@
+"""The PyTorch reference as a Polygraphy runner, with exactly the exported model's I/O names.
+
+So Polygraphy's Comparator and data loaders treat the reference like any other backend:
+infer() takes the ONNX inputs (numpy) and returns the ONNX outputs (numpy, fp32).
+"""
+
+import time
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+from ..errors import InfMoEError
+from ..export.io import DecoderIO
+from ..model import InfMoEGPT
+
+
+class TorchRunner(BaseRunner):
+    def __init__(self, model: InfMoEGPT, k: Optional[int] = None, noise: str = "quantile", *, past: bool = True,
+                 with_starts: bool = False, name: Optional[str] = None):
+        super().__init__(name=name, prefix="torch-runner")
+        self.model = model.eval()
+        self.io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts)
+
+    def activate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        dtypes = self.io.dtypes()
+        for name, shape in self.io.shapes().items():
+            if name in self.io.input_names:
+                meta.add(name, dtype=dtypes[name], shape=shape)
+        return meta
+
+    def infer_impl(self, feed_dict):
+        missing = [name for name in self.io.input_names if name not in feed_dict]
+        if missing:
+            raise InfMoEError(f"input {missing[0]!r} is missing from the feed")
+        device = self.model.wte.weight.device
+        tensors = {name: torch.as_tensor(np.ascontiguousarray(feed_dict[name]), device=device)
+                   for name in self.io.input_names}
+        past = None
+        if self.io.past:
+            flat = [tensors[name].float() for name in self.io.past_names]
+            past = tuple(zip(flat[0::2], flat[1::2]))
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = self.model(tensors["input_ids"], tensors["attention_mask"], past, k=self.io.k,
+                                expert_noise=tensors.get("expert_noise"), return_starts=self.io.with_starts)
+        self.inference_time = time.perf_counter() - start
+        return OrderedDict((name, t.cpu().numpy()) for name, t in self.io.flatten(output).items())
+
+    def deactivate_impl(self):
+        pass

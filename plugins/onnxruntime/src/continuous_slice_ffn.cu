@@ -1,0 +1,118 @@
+// CUDA kernels for infmoe::ContinuousSliceFFN: one pass for the hidden units, one for the output.
+// Both skip every unit no window of the token covers, so a token reads only its union of rows;
+// each output element is summed by one thread in row order, so results are deterministic.
+// Tokens are processed independently (memory bound, aimed at decode), not tiled for prefill.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "continuous_slice_ffn_cuda.h"
+
+namespace infmoe {
+namespace cuda {
+namespace {
+
+void Check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("CUDA ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+__device__ inline float Load(const float* p, int64_t i) { return p[i]; }
+__device__ inline float Load(const uint16_t* p, int64_t i) {
+  return __half2float(reinterpret_cast<const __half*>(p)[i]);
+}
+__device__ inline void Store(float* p, int64_t i, float v) { p[i] = v; }
+__device__ inline void Store(uint16_t* p, int64_t i, float v) { reinterpret_cast<__half*>(p)[i] = __float2half(v); }
+
+// (number of the token's windows covering unit i) / k
+__device__ inline float Coverage(const int64_t* starts, int64_t k, int64_t r, int64_t i) {
+  int count = 0;
+  for (int64_t j = 0; j < k; ++j) count += (starts[j] <= i && i < starts[j] + r);
+  return static_cast<float>(count) / static_cast<float>(k);
+}
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kColumnsPerBlock = 256;
+
+// hidden[t, i] = coverage * gelu_tanh(x_t . w_in[i] + b_in[i]); one warp per (token, unit).
+template <typename T>
+__global__ void HiddenKernel(Sizes s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
+                             float* hidden) {
+  const int64_t t = blockIdx.y;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (i >= s.h) return;
+  const float c = Coverage(starts + t * s.k, s.k, s.r, i);
+  float* out = hidden + t * s.h + i;
+  if (c == 0.0f) {
+    if (lane == 0) *out = 0.0f;
+    return;
+  }
+  float sum = 0.0f;
+  for (int64_t j = lane; j < s.d; j += kWarp) sum += Load(x, t * s.d + j) * Load(w_in, i * s.d + j);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+  if (lane == 0) {
+    const float a = sum + Load(b_in, i);
+    *out = c * 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+  }
+}
+
+// y[t, j] = b_out[j] + sum_i hidden[t, i] * w_out[i, j]; one thread per (token, column).
+template <typename T>
+__global__ void OutputKernel(Sizes s, const int64_t* starts, const float* hidden, const T* w_out,
+                             const T* b_out, T* y) {
+  const int64_t t = blockIdx.y;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kColumnsPerBlock + threadIdx.x;
+  if (j >= s.d) return;
+  const int64_t* own = starts + t * s.k;
+  int64_t lo = own[0], hi = own[0] + s.r;
+  for (int64_t w = 1; w < s.k; ++w) {
+    lo = min(lo, own[w]);
+    hi = max(hi, own[w] + s.r);
+  }
+  float sum = Load(b_out, j);
+  for (int64_t i = lo; i < hi; ++i) {
+    const float h = hidden[t * s.h + i];
+    if (h != 0.0f) sum += h * Load(w_out, i * s.d + j);  // uncovered units are exactly 0
+  }
+  Store(y, t * s.d + j, sum);
+}
+
+}  // namespace
+
+void CopyToHost(const int64_t* device, int64_t n, int64_t* host, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  Check(cudaMemcpyAsync(host, device, n * sizeof(int64_t), cudaMemcpyDeviceToHost, s), "copy of starts");
+  Check(cudaStreamSynchronize(s), "copy of starts");
+}
+
+template <typename T>
+void ContinuousSliceFFN(const Sizes& s, const T* x, const int64_t* starts, const T* w_in,
+                        const T* b_in, const T* w_out, const T* b_out, T* y, void* stream) {
+  if (s.tokens == 0 || s.d == 0) return;
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  float* hidden = nullptr;
+  Check(cudaMallocAsync(reinterpret_cast<void**>(&hidden), s.tokens * s.h * sizeof(float), cuda_stream),
+        "allocation");
+  const dim3 hidden_grid(static_cast<unsigned>((s.h + kWarpsPerBlock - 1) / kWarpsPerBlock),
+                         static_cast<unsigned>(s.tokens));
+  HiddenKernel<T><<<hidden_grid, kWarpsPerBlock * kWarp, 0, cuda_stream>>>(s, x, starts, w_in, b_in, hidden);
+  const dim3 output_grid(static_cast<unsigned>((s.d + kColumnsPerBlock - 1) / kColumnsPerBlock),
+                         static_cast<unsigned>(s.tokens));
+  OutputKernel<T><<<output_grid, kColumnsPerBlock, 0, cuda_stream>>>(s, starts, hidden, w_out, b_out, y);
+  Check(cudaGetLastError(), "kernel launch");
+  Check(cudaFreeAsync(hidden, cuda_stream), "free");
+}
+
+template void ContinuousSliceFFN<float>(const Sizes&, const float*, const int64_t*, const float*,
+                                        const float*, const float*, const float*, float*, void*);
+template void ContinuousSliceFFN<uint16_t>(const Sizes&, const uint16_t*, const int64_t*,
+                                           const uint16_t*, const uint16_t*, const uint16_t*,
+                                           const uint16_t*, uint16_t*, void*);
+
+}  // namespace cuda
+}  // namespace infmoe

@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny odd-shaped config, random (never zero) models and checkpoints of it,
+and the CLI run in-process exactly as the console script runs it."""
+
+import pytest
+import torch
+
+from infmoe_export.checkpoint import save_checkpoint
+from infmoe_export.cli import main
+from infmoe_export.model import InfMoEConfig, InfMoEGPT
+
+# Odd on purpose: H a prime, r not dividing it, V > 256, head_dim 5.
+TINY = dict(vocab_size=259, n_positions=23, d_model=15, n_layer=2, n_head=3, ffn_hidden=37,
+            slice_width=11, num_samples=3)
+
+
+@pytest.fixture
+def tiny_config():
+    return InfMoEConfig(**TINY)
+
+
+def random_model(config: InfMoEConfig, seed: int = 0) -> InfMoEGPT:
+    """Every parameter random, biases and LayerNorms included, so no term of the forward can
+    hide behind a zero; router weights large enough that windows spread over all of H."""
+    model = InfMoEGPT(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                p.copy_(1 + 0.1 * noise)
+            elif ".router." in name:
+                p.copy_(noise)
+            else:
+                p.copy_(0.3 * noise)
+    return model.eval()
+
+
+@pytest.fixture
+def make_model():
+    """make_model(config=TINY, seed=0, **overrides) -> a random InfMoEGPT in eval mode."""
+    def make(config=None, seed=0, **overrides):
+        config = config or InfMoEConfig(**{**TINY, **overrides})
+        return random_model(config, seed)
+    return make
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path, make_model):
+    """make_checkpoint(name="ckpt", seed=0, **config overrides) -> directory of a random checkpoint."""
+    def make(name="ckpt", seed=0, **overrides):
+        return save_checkpoint(make_model(seed=seed, **overrides), tmp_path / name)
+    return make
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """run_cli(*args) -> (exit code, stdout, stderr) of `infmoe-export args...`, in-process.
+
+    Any exception other than SystemExit escapes and fails the test: from the console script
+    it would be a traceback."""
+    def run(*args):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
