@@ -28,8 +28,10 @@ class Stages:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = console
-        self.progress = Progress(TextColumn("{task.fields[stage]:<9}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=console)
+        self.progress = Progress(TextColumn("{task.fields[stage]:<9}"), BarColumn(bar_width=24),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}",
+                                                                                       markup=False),
+                                 console=console)
         self.records = []
 
     def __enter__(self):
@@ -61,7 +63,7 @@ class Stages:
         self.progress.update(task, completed=total, description=note or "")
         self.records.append({"name": name, "status": status, "seconds": time.perf_counter() - started, "note": note})
         if note:
-            self.progress.console.print(f"{name}: {note}")
+            self.progress.console.print(f"{name}: {note}", markup=False, highlight=False)
 
 
 @click.command("pipeline")
@@ -69,13 +71,15 @@ class Stages:
 @click.option("--out", type=click.Path(), default=str(DEFAULT_OUT), show_default=True,
               help="Directory for the models, engines and report.html / report.md / report.json.")
 @click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--noise", "noise_list", default=",".join(NOISE_MODES), show_default=True,
+              help="Noise modes to export and compare, comma-separated.")
 @click.option("--max-windows", type=click.IntRange(min=1), default=8, show_default=True,
               help="Windows of n_positions tokens of validation text for parity.")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per latency figure.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
-def pipeline_command(checkpoint, out, ks, max_windows, iters, warmup, threads):
+def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup, threads):
     """The main job: export, validate, parity, latency, reports."""
     import torch
     from rich.console import Console
@@ -92,11 +96,14 @@ def pipeline_command(checkpoint, out, ks, max_windows, iters, warmup, threads):
     from .runtimes.tensorrt import tensorrt_available
 
     ks = parse_ks(ks)
+    noises = [n.strip() for n in noise_list.split(",") if n.strip()]
+    if not noises or any(n not in NOISE_MODES for n in noises):
+        raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
+    torch_model = load_checkpoint(checkpoint)
     out = prepare_out_dir(Path(out))
     if threads:
         torch.set_num_threads(threads)
-    console = Console(stderr=False)
-    torch_model = load_checkpoint(checkpoint)
+    console = Console()
     models_dir = out / "models"
     models_dir.mkdir(exist_ok=True)
     models = []
@@ -105,7 +112,7 @@ def pipeline_command(checkpoint, out, ks, max_windows, iters, warmup, threads):
 
     with Stages(console) as stages:
         def export(advance):
-            for noise in NOISE_MODES:
+            for noise in noises:
                 for k in ks:
                     advance(f"K={k} {noise}")
                     path = export_onnx(torch_model, models_dir / f"model_k{k}_{noise}.onnx", k=k, noise=noise,
@@ -166,7 +173,7 @@ def pipeline_command(checkpoint, out, ks, max_windows, iters, warmup, threads):
             return "ok", None
 
         parity_section = bench_section = None
-        n_models = len(ks) * len(NOISE_MODES)
+        n_models = len(ks) * len(noises)
         stages.run("export", n_models, export)
         stages.run("validate", n_models, validate)
         stages.run("kernel", 2, kernel)
@@ -180,7 +187,7 @@ def pipeline_command(checkpoint, out, ks, max_windows, iters, warmup, threads):
                           stages=stages.records, notes=notes)
     paths = write_report(report, out)
     console.print(summary_table(report))
-    console.print(f"report: {paths['html']} (also {paths['markdown'].name}, {paths['json'].name})")
+    console.print(f"report: {paths['html']} (also {paths['markdown'].name}, {paths['json'].name})", markup=False)
     failure = failure_line(parity_section)
     if failure:
         raise InfMoEError(failure)

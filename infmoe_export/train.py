@@ -25,8 +25,10 @@ EVAL_WINDOWS = 64
 
 
 def set_threads(threads: Optional[int] = None) -> int:
-    """At most 4 intra-op threads by default: small models gain little beyond that, and the
-    machine is often shared."""
+    """Torch intra-op threads: as asked, else as OMP_NUM_THREADS says, else at most 4 (small
+    models gain little beyond that, and on a shared machine more threads only fight)."""
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
     threads = threads or min(4, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     return threads
@@ -131,7 +133,7 @@ def write_json_atomic(path: Path, data) -> None:
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=3e-3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads (default: min(4, CPUs)).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads (default: $OMP_NUM_THREADS, else min(4, CPUs)).")
 def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width, num_samples,
                   n_positions, steps, batch_size, lr, seed, eval_every, threads):
     """Train an ∞-MoE model from scratch on a byte corpus."""

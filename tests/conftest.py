@@ -8,6 +8,10 @@ from infmoe_export.checkpoint import save_checkpoint
 from infmoe_export.cli import main
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
 
+# Tests use tiny models, and the test machine is shared: one intra-op thread avoids the
+# oversubscription that made a 30-step tiny training run 15x slower with two.
+torch.set_num_threads(1)
+
 # Odd on purpose: H a prime, r not dividing it, V > 256, head_dim 5.
 TINY = dict(vocab_size=259, n_positions=23, d_model=15, n_layer=2, n_head=3, ffn_hidden=37,
             slice_width=11, num_samples=3)
@@ -53,11 +57,13 @@ def make_checkpoint(tmp_path, make_model):
 
 
 @pytest.fixture
-def run_cli(capsys):
+def run_cli(capsys, monkeypatch):
     """run_cli(*args) -> (exit code, stdout, stderr) of `infmoe-export args...`, in-process.
 
     Any exception other than SystemExit escapes and fails the test: from the console script
     it would be a traceback."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # commands then keep the one thread set above
+
     def run(*args):
         try:
             main([str(a) for a in args])

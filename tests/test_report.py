@@ -13,6 +13,7 @@ import onnx
 import pytest
 
 from infmoe_export.checkpoint import save_checkpoint
+from infmoe_export.cli import main
 from infmoe_export.errors import InfMoEError
 from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
@@ -28,14 +29,24 @@ CONFIG = InfMoEConfig(vocab_size=256, n_positions=40, d_model=24, n_layer=2, n_h
 BACKENDS = ["ort", "ort-fallback", "trt"]
 
 
-def cli(*args):
-    return subprocess.run([str(Path(sys.executable).parent / "infmoe-export"), *args], capture_output=True,
-                          text=True, timeout=300)
+def cli(capsys, *args):
+    """(exit status, stdout, stderr) of the CLI run in this process."""
+    try:
+        main(list(args))
+        status = 0
+    except SystemExit as exit:
+        status = exit.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    import torch
+
     root = tmp_path_factory.mktemp("report")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest on a shared machine
     model = InfMoEGPT(CONFIG)
     model.reset_parameters(seed=1)
     model.eval()
@@ -46,9 +57,10 @@ def setup(tmp_path_factory):
     models = find_models([root / "models"])
     parity = parity_lib.run_parity(model, models, backends=BACKENDS, max_windows=5)
     bench = run_bench(model, models, backends=["torch", "ort", "ort-fallback", "trt"], batches=(1, 2),
-                      seqs=(1, 16), past=8, warmup=1, iters=4)
-    report = build_report("pipeline", "test", str(root / "checkpoint"), CONFIG.to_dict(), environment(),
+                      seqs=(1, 16), past=8, warmup=1, iters=4, threads=1)
+    report = build_report("pipeline", "test", str(root / "checkpoint"), CONFIG.to_dict(), environment(1),
                           parity=parity, bench=bench)
+    torch.set_num_threads(threads)
     return {"root": root, "model": model, "models": models, "report": report}
 
 
@@ -258,20 +270,24 @@ def perturb(path, out):
     return out
 
 
-def test_parity_command_passes_and_writes_report(setup, tmp_path):
-    result = cli("parity", "--checkpoint", str(setup["root"] / "checkpoint"), "--model", str(setup["root"] / "models"),
-                 "--out", str(tmp_path / "out"), "--k", "1", "--max-windows", "2")
-    assert result.returncode == 0, result.stderr
+def test_parity_command_passes_and_writes_report(setup, tmp_path, capsys):
+    status, out, err = cli(capsys, "parity", "--checkpoint", str(setup["root"] / "checkpoint"),
+                           "--model", str(setup["root"] / "models"), "--out", str(tmp_path / "out"), "--k", "1",
+                           "--max-windows", "2")
+    assert status == 0, err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     validate_report(report)
     assert report["passed"] and {r["k"] for r in report["parity"]["results"]} == {1}
-    assert "report.html" in result.stdout
+    assert "report.html" in out
 
 
 def test_parity_fails_on_perturbed_weight_naming_the_backend(setup, tmp_path):
+    """Through the installed console script: the real exit status and stderr."""
     bad = perturb(setup["models"][0].path, tmp_path / "perturbed.onnx")
-    result = cli("parity", "--checkpoint", str(setup["root"] / "checkpoint"), "--model", str(bad),
-                 "--out", str(tmp_path / "out"), "--backends", "ort-fallback", "--max-windows", "2")
+    result = subprocess.run([str(Path(sys.executable).parent / "infmoe-export"), "parity",
+                             "--checkpoint", str(setup["root"] / "checkpoint"), "--model", str(bad),
+                             "--out", str(tmp_path / "out"), "--backends", "ort-fallback", "--max-windows", "2"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     line = result.stderr.strip().splitlines()[-1]
@@ -286,34 +302,37 @@ def test_parity_fails_on_perturbed_weight_naming_the_backend(setup, tmp_path):
     (["--k", "5"], "no model for K=5"),
     (["--k", "0"], "positive integer"),
 ])
-def test_parity_bad_input_is_one_line(setup, tmp_path, args, message):
+def test_parity_bad_input_is_one_line(setup, tmp_path, capsys, args, message):
     base = {"--model": str(setup["root"] / "models")}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
     argv = ["parity", "--checkpoint", str(setup["root"] / "checkpoint"), "--out", str(tmp_path / "out")]
     for flag, value in base.items():
         argv += [flag, value]
-    result = cli(*argv)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    status, _, err = cli(capsys, *argv)
+    assert status == 1 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "report.json").exists()
 
 
-def test_parity_rejects_model_of_another_checkpoint(setup, tmp_path):
+def test_parity_rejects_model_of_another_checkpoint(setup, tmp_path, capsys):
     other = InfMoEGPT(InfMoEConfig(**{**CONFIG.to_dict(), "ffn_hidden": 41}))
     save_checkpoint(other, tmp_path / "other")
-    result = cli("parity", "--checkpoint", str(tmp_path / "other"), "--model", str(setup["models"][0].path),
-                 "--out", str(tmp_path / "out"))
-    assert result.returncode == 1 and "different checkpoint (ffn_hidden: 37 vs 41)" in result.stderr
+    status, _, err = cli(capsys, "parity", "--checkpoint", str(tmp_path / "other"), "--model",
+                         str(setup["models"][0].path), "--out", str(tmp_path / "out"))
+    assert status == 1 and "different checkpoint (ffn_hidden: 37 vs 41)" in err
 
 
-def test_bench_command_writes_valid_json(setup, tmp_path):
+def test_bench_command_writes_valid_json(setup, tmp_path, capsys):
+    import torch
+
     out = tmp_path / "bench.json"
-    result = cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
-                 str(setup["models"][0].path), "--backends", "torch,ort-fallback", "--k", "1", "--batch", "1",
-                 "--seq", "1,8", "--past", "4", "--warmup", "1", "--iters", "3", "--threads", "1",
-                 "--json", str(out))
-    assert result.returncode == 0, result.stderr
+    threads = torch.get_num_threads()
+    status, _, err = cli(capsys, "bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
+                         str(setup["models"][0].path), "--backends", "torch,ort-fallback", "--k", "1",
+                         "--batch", "1", "--seq", "1,8", "--past", "4", "--warmup", "1", "--iters", "3",
+                         "--threads", "1", "--json", str(out))
+    torch.set_num_threads(threads)
+    assert status == 0, err
     report = json.loads(out.read_text())
     validate_report(report)
     assert report["environment"]["torch_threads"] == 1 and report["environment"]["ort_intra_op_threads"] == 1
@@ -321,10 +340,10 @@ def test_bench_command_writes_valid_json(setup, tmp_path):
         (b, p) for b in ("torch", "ort-fallback") for p in ("decode", "prefill")}
 
 
-def test_bench_rejects_sequence_longer_than_model(setup, tmp_path):
-    result = cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model", str(setup["models"][0].path),
-                 "--seq", "41", "--k", "1")
-    assert result.returncode == 1 and "--seq 41 must lie in [1, n_positions = 40]" in result.stderr
+def test_bench_rejects_sequence_longer_than_model(setup, capsys):
+    status, _, err = cli(capsys, "bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
+                         str(setup["models"][0].path), "--seq", "41", "--k", "1")
+    assert status == 1 and "--seq 41 must lie in [1, n_positions = 40]" in err
 
 
 def test_read_model_refuses_non_onnx(tmp_path):

@@ -144,10 +144,11 @@ def _quiet():
 
 
 def _rename_dims(graph: ir.Graph, io: DecoderIO):
-    """Give every dynamic dim its Optimum-style name (torch.export names some 's53')."""
+    """Give every dynamic dim its Optimum-style name: torch.export calls some 's53', and
+    writes sums in either order ('sequence + past_sequence')."""
     wanted = io.shapes()
     mapping = {}
-    for value in graph.inputs:
+    for value in [*graph.inputs, *graph.outputs]:
         for dim, name in zip(value.shape, wanted[value.name]):
             if isinstance(dim, ir.SymbolicDim) and isinstance(name, str) and dim.value != name:
                 mapping[dim.value] = name
@@ -169,6 +170,8 @@ def _save_atomic(model: ir.Model, path: Path, external: bool):
         if external:
             os.replace(staging / data_name, path.parent / data_name)
         os.replace(staging / path.name, path)
+    except OSError as error:
+        raise InfMoEError(f"cannot write {path}: {error.strerror or error}") from None
     finally:
         for leftover in staging.iterdir():
             leftover.unlink()

@@ -160,4 +160,4 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     console.print(rich_table(next(t for t in tables(report) if t.title == "Latency")))
     if json_path:
         atomic_write(Path(json_path), json.dumps(report, indent=2) + "\n")
-        console.print(f"results: {json_path}")
+        console.print(f"results: {json_path}", markup=False)

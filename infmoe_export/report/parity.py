@@ -249,7 +249,7 @@ def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_lis
     paths = write_report(report, Path(out))
     console = Console()
     console.print(summary_table(report))
-    console.print(f"report: {paths['html']}")
+    console.print(f"report: {paths['html']}", markup=False)
     failure = failure_line(parity)
     if failure:
         raise InfMoEError(failure)

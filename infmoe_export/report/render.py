@@ -245,11 +245,12 @@ def summary_table(report: dict):
 
 def rich_table(t: Table):
     """One of the report's tables for the terminal."""
+    from rich.markup import escape
     from rich.table import Table as RichTable
 
-    table = RichTable(title=t.title, caption=t.note)
+    table = RichTable(title=escape(t.title), caption=escape(t.note or ""))
     for i, header in enumerate(t.headers):
-        table.add_column(header, justify="left" if i == 0 else "right")
+        table.add_column(escape(header), justify="left" if i == 0 else "right")
     for row, bad in zip(t.rows, t.bad):
-        table.add_row(*row, style="red" if bad else None)
+        table.add_row(*map(escape, row), style="red" if bad else None)
     return table

@@ -370,6 +370,8 @@ def build_engines(models: Dict[int, Path], out: Path, fp16: bool, timing_cache: 
 def trt_command(models, checkpoint, ks, out, fp16, timing_cache, max_batch, max_seq, with_starts, jit):
     """Build one TensorRT engine per expert budget K, with the ContinuousSliceFFN plugin."""
     ks = parse_ks(ks)
+    if max_batch < 1 or (max_seq is not None and max_seq < 1):
+        raise InfMoEError("--max-batch and --max-seq must be at least 1")
     if models and checkpoint:
         raise InfMoEError("give either --model or --checkpoint, not both")
     planned = plan_models(models, ks) if models else None

@@ -3,8 +3,8 @@
 //    chunk computes its hidden units and a partial output (two GEMVs), partials are summed in
 //    chunk order. Parallel over chunks, so one token uses every thread; memory bound.
 //  * prefill (many tokens): tokens sorted by window position and grouped; per group, blocked
-//    GEMMs (Eigen) over the row ranges any of its tokens cover, weighted by coverage; the GEMMs
-//    are split over hidden-unit blocks, then over output-column blocks.
+//    GEMMs (Eigen) over the row ranges any of its tokens cover, weighted by coverage, split over
+//    fixed blocks of hidden units whose partial outputs are summed in block order.
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
 // so every bit of the result) is the same for any number of threads.
 #include "continuous_slice_ffn.h"
@@ -12,7 +12,6 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 namespace infmoe {
@@ -21,14 +20,12 @@ namespace {
 using Index = Eigen::Index;
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using MatrixView = Eigen::Map<const RowMatrix>;
-using StridedView = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
 using Vector = Eigen::VectorXf;
 
 constexpr int64_t kDecodeMaxTokens = 3;  // up to this many tokens: the decode path
 constexpr int64_t kChunkRows = 64;       // decode: rows per work item
 constexpr int64_t kGroupTokens = 128;    // prefill: tokens per GEMM group
-constexpr int64_t kHiddenBlock = 256;    // prefill: hidden units per work item
-constexpr int64_t kOutputBlock = 64;     // prefill: output columns per work item
+constexpr int64_t kHiddenBlock = 512;    // prefill: hidden units per work item
 constexpr int64_t kMergeGap = 32;        // prefill: fill uncovered gaps shorter than this
 
 // Element access: float is used in place, half (uint16_t bits) is converted to float.
@@ -160,7 +157,7 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, c
 
   const Vector bias_in = ToFloat(b_in, s.h);
   const Vector bias_out = ToFloat(b_out, s.d);
-  RowMatrix xg, coverage, hidden, yg, wout_float;
+  RowMatrix xg, coverage, yg, partials;
   for (int64_t begin = 0; begin < s.tokens; begin += kGroupTokens) {
     const int64_t n = std::min(kGroupTokens, s.tokens - begin);
     xg.resize(n, s.d);
@@ -177,33 +174,22 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, c
     }
     yg = bias_out.transpose().replicate(n, 1);
     for (const Range& range : CoveredRanges(covered, kMergeGap)) {
+      // One work item per block of hidden units: GEMM, bias, GELU, coverage, then the block's
+      // partial output (a second GEMM); partials are added in block order afterwards.
       const int64_t rows = range.hi - range.lo;
-      hidden.resize(n, rows);
-      if (!std::is_same<T, float>::value) wout_float.resize(rows, s.d);
-      // Phase 1, parallel over blocks of hidden units: GEMM, bias, GELU, coverage weights.
-      parallel_for(static_cast<size_t>((rows + kHiddenBlock - 1) / kHiddenBlock), [&](size_t block) {
-        const int64_t lo = static_cast<int64_t>(block) * kHiddenBlock;
-        const int64_t width = std::min(kHiddenBlock, rows - lo);
-        RowMatrix scratch;
-        const MatrixView win = Rows(w_in, range.lo + lo, range.lo + lo + width, s.d, scratch);
-        auto h = hidden.middleCols(lo, width);
-        h.noalias() = xg * win.transpose();
-        h.rowwise() += bias_in.segment(range.lo + lo, width).transpose();
-        GeluTanh(h.array());
-        h.array() *= coverage.middleCols(range.lo + lo, width).array();
-        if (!std::is_same<T, float>::value) {
-          wout_float.middleRows(lo, width) = Rows(w_out, range.lo + lo, range.lo + lo + width, s.d, scratch);
-        }
+      const int64_t blocks = (rows + kHiddenBlock - 1) / kHiddenBlock;
+      partials.resize(blocks * n, s.d);
+      parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
+        const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
+        const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
+        RowMatrix scratch, hidden;
+        hidden.noalias() = xg * Rows(w_in, lo, hi, s.d, scratch).transpose();
+        hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
+        GeluTanh(hidden.array());
+        hidden.array() *= coverage.middleCols(lo, hi - lo).array();
+        partials.middleRows(static_cast<Index>(block) * n, n).noalias() = hidden * Rows(w_out, lo, hi, s.d, scratch);
       });
-      // Phase 2, parallel over blocks of output columns: each sums over all rows in one order.
-      const float* wout = std::is_same<T, float>::value ? reinterpret_cast<const float*>(w_out) + range.lo * s.d
-                                                         : wout_float.data();
-      parallel_for(static_cast<size_t>((s.d + kOutputBlock - 1) / kOutputBlock), [&](size_t block) {
-        const int64_t lo = static_cast<int64_t>(block) * kOutputBlock;
-        const int64_t width = std::min(kOutputBlock, s.d - lo);
-        const StridedView wout_block(wout + lo, rows, width, Eigen::OuterStride<>(s.d));
-        yg.middleCols(lo, width).noalias() += hidden * wout_block;
-      });
+      for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
     }
     for (int64_t g = 0; g < n; ++g) Store(yg.row(g).data(), s.d, y + order[begin + g] * s.d);
   }

@@ -39,25 +39,27 @@ constexpr int kWarpsPerBlock = 8;
 constexpr int kColumnsPerBlock = 256;
 
 // hidden[t, i] = coverage * gelu_tanh(x_t . w_in[i] + b_in[i]); one warp per (token, unit).
+// Tokens stride over grid.y (at most 65535 blocks).
 template <typename T>
 __global__ void HiddenKernel(Sizes s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
                              float* hidden) {
-  const int64_t t = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
-  if (i >= s.h) return;
-  const float c = Coverage(starts + t * s.k, s.k, s.r, i);
-  float* out = hidden + t * s.h + i;
-  if (c == 0.0f) {
-    if (lane == 0) *out = 0.0f;
-    return;
-  }
-  float sum = 0.0f;
-  for (int64_t j = lane; j < s.d; j += kWarp) sum += Load(x, t * s.d + j) * Load(w_in, i * s.d + j);
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
-  if (lane == 0) {
-    const float a = sum + Load(b_in, i);
-    *out = c * 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+  if (i >= s.h) return;  // whole warps: the shuffles below always see 32 lanes
+  for (int64_t t = blockIdx.y; t < s.tokens; t += gridDim.y) {
+    const float c = Coverage(starts + t * s.k, s.k, s.r, i);
+    float* out = hidden + t * s.h + i;
+    if (c == 0.0f) {
+      if (lane == 0) *out = 0.0f;
+      continue;
+    }
+    float sum = 0.0f;
+    for (int64_t j = lane; j < s.d; j += kWarp) sum += Load(x, t * s.d + j) * Load(w_in, i * s.d + j);
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    if (lane == 0) {
+      const float a = sum + Load(b_in, i);
+      *out = c * 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+    }
   }
 }
 
@@ -65,21 +67,22 @@ __global__ void HiddenKernel(Sizes s, const T* x, const int64_t* starts, const T
 template <typename T>
 __global__ void OutputKernel(Sizes s, const int64_t* starts, const float* hidden, const T* w_out,
                              const T* b_out, T* y) {
-  const int64_t t = blockIdx.y;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kColumnsPerBlock + threadIdx.x;
   if (j >= s.d) return;
-  const int64_t* own = starts + t * s.k;
-  int64_t lo = own[0], hi = own[0] + s.r;
-  for (int64_t w = 1; w < s.k; ++w) {
-    lo = min(lo, own[w]);
-    hi = max(hi, own[w] + s.r);
+  for (int64_t t = blockIdx.y; t < s.tokens; t += gridDim.y) {
+    const int64_t* own = starts + t * s.k;
+    int64_t lo = own[0], hi = own[0] + s.r;
+    for (int64_t w = 1; w < s.k; ++w) {
+      lo = min(lo, own[w]);
+      hi = max(hi, own[w] + s.r);
+    }
+    float sum = Load(b_out, j);
+    for (int64_t i = lo; i < hi; ++i) {
+      const float h = hidden[t * s.h + i];
+      if (h != 0.0f) sum += h * Load(w_out, i * s.d + j);  // uncovered units are exactly 0
+    }
+    Store(y, t * s.d + j, sum);
   }
-  float sum = Load(b_out, j);
-  for (int64_t i = lo; i < hi; ++i) {
-    const float h = hidden[t * s.h + i];
-    if (h != 0.0f) sum += h * Load(w_out, i * s.d + j);  // uncovered units are exactly 0
-  }
-  Store(y, t * s.d + j, sum);
 }
 
 }  // namespace
@@ -98,11 +101,12 @@ void ContinuousSliceFFN(const Sizes& s, const T* x, const int64_t* starts, const
   float* hidden = nullptr;
   Check(cudaMallocAsync(reinterpret_cast<void**>(&hidden), s.tokens * s.h * sizeof(float), cuda_stream),
         "allocation");
+  const unsigned grid_tokens = static_cast<unsigned>(s.tokens < 65535 ? s.tokens : 65535);
   const dim3 hidden_grid(static_cast<unsigned>((s.h + kWarpsPerBlock - 1) / kWarpsPerBlock),
-                         static_cast<unsigned>(s.tokens));
+                         grid_tokens);
   HiddenKernel<T><<<hidden_grid, kWarpsPerBlock * kWarp, 0, cuda_stream>>>(s, x, starts, w_in, b_in, hidden);
   const dim3 output_grid(static_cast<unsigned>((s.d + kColumnsPerBlock - 1) / kColumnsPerBlock),
-                         static_cast<unsigned>(s.tokens));
+                         grid_tokens);
   OutputKernel<T><<<output_grid, kColumnsPerBlock, 0, cuda_stream>>>(s, starts, hidden, w_out, b_out, y);
   Check(cudaGetLastError(), "kernel launch");
   Check(cudaFreeAsync(hidden, cuda_stream), "free");

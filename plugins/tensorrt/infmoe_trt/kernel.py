@@ -32,7 +32,6 @@ import triton.language as tl
 
 from infmoe_export.errors import InfMoEError
 
-ACTIVATION = "gelu_tanh"
 # Fixed launch configuration of the COLUMNS mode (the one baked into TensorRT engines).
 COLUMNS_BLOCK_R, COLUMNS_BLOCK_D, NUM_WARPS = 32, 64, 4
 SPLIT_BLOCK_R, SPLIT_BLOCK_D = 8, 256  # untuned: no GPU was lent (see docs/tensorrt.md)

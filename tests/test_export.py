@@ -1,0 +1,316 @@
+"""ONNX export: the fallback function against the reference op, whole exported models in
+onnxruntime (fallback function, no kernel) against the reference model, the graph's structure,
+and the CLI's handling of bad input. Exports are slow (torch.export), so each is made once
+per module and checked for several things."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from infmoe_export.errors import InfMoEError
+from infmoe_export.export import DecoderIO, export_onnx, exporter, model_io, validate_onnx
+from infmoe_export.export.function import ContinuousSliceFFN
+from infmoe_export.model import InfMoEConfig, continuous_slice_ffn
+from infmoe_export.runtimes.onnxruntime import create_session
+
+from conftest import TINY, random_model
+
+
+# ---------------------------------------------------------------------------------------------
+# The fallback function alone, on crafted starts
+
+
+def _function_session(dtype, d, h, r, k):
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    node = helper.make_node("ContinuousSliceFFN", ["X", "starts", "w_in", "b_in", "w_out", "b_out"], ["Y"],
+                            domain="infmoe", slice_width=r, activation="gelu_tanh", plugin_namespace="infmoe",
+                            plugin_version="1")
+    inputs = [helper.make_tensor_value_info("X", elem, ["n", "t", d]),
+              helper.make_tensor_value_info("starts", TensorProto.INT64, ["n", "t", k]),
+              helper.make_tensor_value_info("w_in", elem, [h, d]), helper.make_tensor_value_info("b_in", elem, [h]),
+              helper.make_tensor_value_info("w_out", elem, [h, d]), helper.make_tensor_value_info("b_out", elem, [d])]
+    graph = helper.make_graph([node], "op", inputs, [helper.make_tensor_value_info("Y", elem, ["n", "t", d])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("infmoe", 1)],
+                              functions=[ContinuousSliceFFN.to_function_proto()])
+    onnx.checker.check_model(model, full_check=True)
+    # A plain session: no custom-op library, so the function is what runs.
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _starts(kind, rng, shape, h, r, k):
+    last = h - r
+    if kind == "random":
+        return rng.integers(0, last + 1, shape + (k,))
+    if kind == "edges":  # windows at both ends, disjoint when 2r <= H
+        return np.broadcast_to(np.array([0, last] * k)[:k], shape + (k,)).copy()
+    if kind == "overlapping":  # windows a unit apart around a random start
+        base = rng.integers(0, max(1, last - k) + 1, shape + (1,))
+        return np.minimum(base + np.arange(k), last)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("d, h, r, k, kind, shape", [
+    (13, 37, 5, 1, "random", (3, 5)),
+    (13, 37, 5, 4, "overlapping", (2, 7)),
+    (13, 37, 5, 2, "edges", (1, 1)),        # starts 0 and H - r, disjoint, one token
+    (7, 29, 1, 3, "random", (2, 9)),         # r = 1
+    (7, 29, 29, 3, "random", (2, 3)),        # r = H: every start is 0
+    (11, 41, 17, 8, "edges", (3, 4)),        # overlapping edges (2r > H)
+])
+def test_function_matches_reference(d, h, r, k, kind, shape):
+    rng = np.random.default_rng(d * h + r * k)
+    x = rng.standard_normal(shape + (d,)).astype(np.float32)
+    starts = _starts(kind, rng, shape, h, r, k)
+    weights = [rng.standard_normal(s).astype(np.float32) for s in ((h, d), (h,), (h, d), (d,))]
+    names = ["w_in", "b_in", "w_out", "b_out"]
+    y = _function_session(np.float32, d, h, r, k).run(None, dict(X=x, starts=starts, **dict(zip(names, weights))))[0]
+    expected = continuous_slice_ffn(torch.from_numpy(x), torch.from_numpy(starts),
+                                    *map(torch.from_numpy, weights), slice_width=r).numpy()
+    scale = np.abs(expected).max()
+    assert np.abs(y - expected).max() <= 1e-5 * max(scale, 1.0)
+
+
+def test_function_fp16_matches_reference():
+    d, h, r, k = 13, 37, 5, 3
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 6, d)).astype(np.float16)
+    starts = _starts("random", rng, (2, 6), h, r, k)
+    weights = [(0.3 * rng.standard_normal(s)).astype(np.float16) for s in ((h, d), (h,), (h, d), (d,))]
+    feed = dict(X=x, starts=starts, **dict(zip(["w_in", "b_in", "w_out", "b_out"], weights)))
+    y = _function_session(np.float16, d, h, r, k).run(None, feed)[0]
+    expected = continuous_slice_ffn(torch.from_numpy(x).float(), torch.from_numpy(starts),
+                                    *(torch.from_numpy(w).float() for w in weights), slice_width=r).numpy()
+    # fp16 rounds each of ~d + 2r products to 11 bits: 1e-2 of the output's scale.
+    assert y.dtype == np.float16
+    assert np.abs(y.astype(np.float32) - expected).max() <= 1e-2 * np.abs(expected).max()
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return random_model(InfMoEConfig(**TINY), seed=11)
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("export")
+
+
+@pytest.fixture(scope="module")
+def quantile_k3(tiny_model, onnx_dir):
+    """K = 3, quantile noise, with past: the default kind of export."""
+    return export_onnx(tiny_model, onnx_dir / "quantile_k3.onnx", k=3)
+
+
+@pytest.fixture(scope="module")
+def sampled_k1_nopast(tiny_model, onnx_dir):
+    return export_onnx(tiny_model, onnx_dir / "sampled_k1.onnx", k=1, noise="sampled", past=False, with_starts=True)
+
+
+def _left_padded_feed(io, batch=2, sequence=None, seed=0):
+    sequence = sequence or io.config.n_positions  # the longest sequence the model takes
+    return io.dummy_inputs(batch=batch, sequence=sequence, past_sequence=0, left_pad=5, seed=seed)
+
+
+def _reference(model, io, feed):
+    noise = torch.from_numpy(feed["expert_noise"]) if "expert_noise" in feed else None
+    with torch.no_grad():
+        out = model(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=io.k,
+                    noise=io.noise, expert_noise=noise, return_starts=True)
+    return out
+
+
+@pytest.mark.parametrize("which", ["quantile_k3", "sampled_k1_nopast"])
+def test_fallback_matches_reference(request, tiny_model, which):
+    """Left-padded batch 2 at full length: logits within 1e-4 over tokens whose starts agree,
+    >= 99.9% of starts equal; then validate_onnx (prefill + decode) passes."""
+    path = request.getfixturevalue(which)
+    io = model_io(path)
+    onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    session = create_session(path, kernel=False)
+    # A copy with every layer's starts as outputs (the quantile model does not have them).
+    report = validate_onnx(tiny_model, path, kernel=False, sequence=TINY["n_positions"] - 1)
+    assert report.passed and report.start_agreement >= 0.999
+    assert all(row.max_abs_agreeing <= 1e-4 for row in report.outputs)
+
+    feed = _left_padded_feed(io)
+    logits = dict(zip([o.name for o in session.get_outputs()], session.run(None, dict(feed))))["logits"]
+    expected = _reference(tiny_model, io, feed)
+    if io.with_starts:
+        actual_starts = session.run([f"expert_starts.{i}" for i in range(io.config.n_layer)], dict(feed))
+        agree = np.stack([a == s.numpy() for a, s in zip(actual_starts, expected.starts)]).all(axis=(0, -1))
+        assert agree.mean() >= 0.999
+    else:
+        agree = np.ones(logits.shape[:2], bool)
+    assert np.abs(logits - expected.logits.numpy())[agree].max() <= 1e-4
+    assert np.unique(np.concatenate([s.numpy().ravel() for s in expected.starts])).size > 2  # starts spread
+
+
+def test_graph_structure(quantile_k3, tiny_model):
+    model = onnx.load(str(quantile_k3))
+    c = tiny_model.config
+    nodes = [n for n in model.graph.node if n.domain == "infmoe"]
+    assert len(nodes) == c.n_layer and {n.op_type for n in nodes} == {"ContinuousSliceFFN"}
+    producers = {out: n for n in model.graph.node for out in n.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    for node in nodes:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"slice_width": c.slice_width, "activation": b"gelu_tanh", "plugin_namespace": b"infmoe",
+                         "plugin_version": b"1"}
+        assert len(node.input) == 6 and len(node.output) == 1
+        shapes = [list(initializers[name].dims) for name in node.input[2:]]
+        assert shapes == [[c.ffn_hidden, c.d_model], [c.ffn_hidden], [c.ffn_hidden, c.d_model], [c.d_model]]
+        # starts = Cast(Clip(Floor(Mul(Sigmoid(z), H - r + 1)), max=H - r)): window_starts' op order.
+        chain, name = [], node.input[1]
+        for _ in range(5):
+            producer = producers[name]
+            chain.append(producer.op_type)
+            name = producer.input[0]
+        assert chain == ["Cast", "Clip", "Floor", "Mul", "Sigmoid"]
+    assert [f.name for f in model.functions] == ["ContinuousSliceFFN"] and model.functions[0].domain == "infmoe"
+    assert {o.domain: o.version for o in model.opset_import} == {"": 18, "infmoe": 1}
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+    assert dims["input_ids"] == ["batch", "sequence"]
+    assert dims["attention_mask"] == ["batch", "past_sequence + sequence"]
+    assert dims["past_key_values.1.value"] == ["batch", c.n_head, "past_sequence", c.head_dim]
+    assert dims["present.0.key"] == ["batch", c.n_head, "past_sequence + sequence", c.head_dim]
+    assert dims["logits"] == ["batch", "sequence", c.vocab_size]
+    assert list(dims) == DecoderIO(c, 3).input_names + DecoderIO(c, 3).output_names
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(meta["infmoe.config"]) == c.to_dict()
+    assert (meta["infmoe.k"], meta["infmoe.noise"], meta["infmoe.dtype"], meta["infmoe.opset"],
+            meta["infmoe.has_function"], meta["infmoe.past"]) == ("3", "quantile", "fp32", "18", "1", "1")
+    assert meta["infmoe.exporter_version"]
+
+
+def test_decode_with_past_equals_full_forward(quantile_k3):
+    """Prefill 6 tokens, then 4 decode steps feeding present -> past: the logits of every step
+    equal those of one pass over all 10 tokens (left-padded row included)."""
+    io = model_io(quantile_k3)
+    session = create_session(quantile_k3, kernel=False)
+    names = [o.name for o in session.get_outputs()]
+    full = io.dummy_inputs(batch=2, sequence=10, past_sequence=0, left_pad=3, seed=5)
+    ids, mask = full["input_ids"], full["attention_mask"]
+    expected = session.run(["logits"], dict(full))[0]
+    out = dict(zip(names, session.run(None, dict(io.feed(ids[:, :6], mask[:, :6])))))
+    steps = [out["logits"]]
+    for t in range(6, 10):
+        past = [out[n.replace("past_key_values", "present")] for n in io.past_names]
+        out = dict(zip(names, session.run(None, dict(io.feed(ids[:, t:t + 1], mask[:, :t + 1], past)))))
+        steps.append(out["logits"])
+    assert np.abs(np.concatenate(steps, axis=1) - expected).max() <= 1e-4
+
+
+def test_sampled_noise_is_an_input(sampled_k1_nopast, tiny_model):
+    model = onnx.load(str(sampled_k1_nopast))
+    inputs = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+    assert inputs == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"],
+                      "expert_noise": ["batch", "sequence", 1]}
+    outputs = [v.name for v in model.graph.output]
+    assert outputs == ["logits"] + [f"expert_starts.{i}" for i in range(tiny_model.config.n_layer)]
+    # Different noise, different windows: the input is really used.
+    session = create_session(sampled_k1_nopast, kernel=False)
+    io = model_io(sampled_k1_nopast)
+    feed = dict(io.dummy_inputs(sequence=9, past_sequence=0, seed=1))
+    first = session.run(["expert_starts.0"], feed)[0]
+    feed["expert_noise"] = -feed["expert_noise"]
+    assert (session.run(["expert_starts.0"], feed)[0] != first).any()
+
+
+def test_fp16_export(tiny_model, onnx_dir):
+    """fp16 weights and activations; LayerNorm and the router stay fp32 (see docs/export.md).
+    Tolerance: 5e-2 on logits of order 1-10 over tokens whose starts agree, >= 95% of starts."""
+    path = export_onnx(tiny_model, onnx_dir / "fp16.onnx", k=3, noise="sampled", dtype="fp16")
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert {t.data_type for t in model.graph.initializer if t.name.endswith("w_in")} == {TensorProto.FLOAT16}
+    report = validate_onnx(tiny_model, path, kernel=False, raise_on_failure=False,
+                           sequence=TINY["n_positions"] - 1)
+    assert report.passed, report.problems
+    assert report.start_agreement >= 0.95
+    logits_error = max(r.max_abs_agreeing for r in report.outputs if r.name == "logits")
+    assert 0 < logits_error <= 5e-2  # > 0: the graph really computes in fp16
+
+
+def test_dense_exports_plain_matmuls_with_external_data(make_model, tmp_path, monkeypatch):
+    """slice_width == ffn_hidden: no custom op, no function; forced external data still loads."""
+    model = make_model(slice_width=TINY["ffn_hidden"], seed=3)
+    monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 0)
+    path = export_onnx(model, tmp_path / "dense.onnx", k=2, opset=20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.onnx", "dense.onnx.data"]
+    proto = onnx.load(str(path), load_external_data=False)
+    assert not [n for n in proto.graph.node if n.domain == "infmoe"] and not proto.functions
+    assert {p.key: p.value for p in proto.metadata_props}["infmoe.has_function"] == "0"
+    assert validate_onnx(model, path, kernel=False).passed
+
+
+def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
+    """A write that dies half-way (disk full) leaves neither the model nor its data file."""
+    import onnx_ir as ir
+
+    def broken_save(model, path, external_data=None):
+        path.write_bytes(b"partial")
+        (path.parent / external_data).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(exporter.ir, "save", broken_save)
+    graph = ir.Graph([], [], nodes=[], name="empty")
+    with pytest.raises(InfMoEError, match="No space left"):
+        exporter._save_atomic(ir.Model(graph, ir_version=10), tmp_path / "m.onnx", external=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def test_cli_export_without_function(make_checkpoint, tmp_path, run_cli):
+    ckpt = make_checkpoint(seed=4)
+    out = tmp_path / "out" / "model.onnx"
+    code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", out, "--k", 2, "--no-function", "--with-starts",
+                           "--opset", 23, "--no-validate")
+    assert code == 0, err
+    model = onnx.load(str(out))
+    assert not model.functions and {o.domain: o.version for o in model.opset_import}[""] == 23
+    assert [v.name for v in model.graph.output][-1] == f"expert_starts.{TINY['n_layer'] - 1}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "{tmp}/missing"], "is not a checkpoint"),
+    (["--k", "0"], "--k must be a positive integer"),
+    (["--out", "{tmp}"], "is a directory"),
+    (["--out", "{tmp}/file.txt/model.onnx"], "is not a directory"),
+    (["--opset", "17"], "opset 17 is not supported"),
+    (["--opset", "99"], "opset 99 is not supported"),
+    (["--noise", "gaussian"], "Invalid value for '--noise'"),
+])
+def test_cli_bad_input(make_checkpoint, tmp_path, run_cli, args, message):
+    ckpt = make_checkpoint()
+    (tmp_path / "file.txt").write_text("not a directory")
+    before = sorted(tmp_path.rglob("*"))
+    args = [a.format(tmp=tmp_path) for a in args]
+    base = ["onnx", "--checkpoint", ckpt, "--out", tmp_path / "model.onnx"]
+    code, out, err = run_cli(*base, *args)
+    assert code != 0
+    assert message in err and "Traceback" not in err
+    if "Invalid value" not in message:  # click's own usage errors take two lines
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, not even a temporary file
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root writes into read-only directories")
+def test_cli_unwritable_directory(make_checkpoint, tmp_path, run_cli):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    code, _, err = run_cli("onnx", "--checkpoint", make_checkpoint(), "--out", locked / "m.onnx")
+    assert code != 0 and err.startswith("error: cannot write") and not list(locked.iterdir())

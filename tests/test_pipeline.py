@@ -1,0 +1,123 @@
+"""`infmoe-export pipeline` end to end on a small random odd-shaped checkpoint (one K, both
+noise modes), through the installed console script; and its failure paths in-process."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infmoe_export.checkpoint import save_checkpoint
+from infmoe_export.cli import main
+from infmoe_export.model import InfMoEConfig, InfMoEGPT
+from infmoe_export.report.render import validate_report
+
+CONFIG = InfMoEConfig(vocab_size=256, n_positions=33, d_model=20, n_layer=2, n_head=2, ffn_hidden=29,
+                      slice_width=7, num_samples=2)
+FAST = ["--max-windows", "2", "--iters", "3", "--warmup", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = InfMoEGPT(CONFIG)
+    model.reset_parameters(seed=3)
+    return save_checkpoint(model, tmp_path_factory.mktemp("pipeline") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def run(checkpoint):
+    out = checkpoint.parent / "out"
+    result = subprocess.run([str(Path(sys.executable).parent / "infmoe-export"), "pipeline", "--checkpoint",
+                             str(checkpoint), "--out", str(out), "--k", "2", *FAST],
+                            capture_output=True, text=True, timeout=600)
+    return result, out
+
+
+def test_pipeline_succeeds_and_writes_reports(run):
+    result, out = run
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"report: {out / 'report.html'}" in result.stdout
+    assert "infmoe-export pipeline: PASSED" in result.stdout  # the rich summary table's title
+    assert sorted(p.name for p in out.iterdir()) == ["models", "report.html", "report.json", "report.md",
+                                                     "tradeoff.png"]
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["model_k2_quantile.onnx", "model_k2_sampled.onnx"]
+
+
+def test_pipeline_report_content(run):
+    _, out = run
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    assert report["kind"] == "pipeline" and report["passed"] and report["failures"] == []
+    assert [s["name"] for s in report["stages"]] == ["export", "validate", "kernel", "tensorrt", "parity", "latency"]
+    assert all(s["status"] in ("ok", "skipped") and s["seconds"] >= 0 for s in report["stages"])
+    parity = [r for r in report["parity"]["results"] if r["status"] not in ("reference", "skipped")]
+    assert {(r["backend"], r["noise"]) for r in parity} >= {("ort-fallback", "quantile"), ("ort-fallback", "sampled")}
+    assert all(r["status"] == "pass" and r["start_agreement"] >= 0.999 for r in parity)
+    tradeoff = {(r["backend"], r["noise"]): r for r in report["tradeoff"]}
+    for noise in ("quantile", "sampled"):
+        row = tradeoff[("ort-fallback", noise)]
+        assert row["k"] == 2 and row["perplexity"] > 1 and row["decode_ms_p50"] > 0
+    assert tradeoff[("ort-fallback", "quantile")]["prefill_tokens_per_s"] > 0
+
+
+def test_pipeline_says_once_when_tensorrt_is_absent(run):
+    result, out = run
+    report = json.loads((out / "report.json").read_text())
+    stage = next(s for s in report["stages"] if s["name"] == "tensorrt")
+    from infmoe_export.runtimes.tensorrt import tensorrt_available
+
+    if tensorrt_available():
+        assert stage["status"] == "ok"
+    else:
+        assert stage["status"] == "skipped" and "TensorRT is not installed" in stage["note"]
+        assert result.stdout.count("tensorrt: TensorRT is not installed") == 1
+        assert all(r["status"] == "skipped" for r in report["parity"]["results"] if r["backend"] == "trt")
+
+
+def cli(capsys, *args):
+    try:
+        main(list(args))
+        status = 0
+    except SystemExit as exit:
+        status = exit.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, capsys, monkeypatch):
+    """Polygraphy's verdict forced to "out of tolerance": the report is still written, the
+    command fails naming the backends."""
+    import torch
+
+    from infmoe_export.report import parity
+
+    monkeypatch.setattr(parity, "polygraphy_passes", lambda *args: False)
+    threads = torch.get_num_threads()
+    status, _, err = cli(capsys, "pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+                         "--k", "1", "--noise", "quantile", *FAST)
+    torch.set_num_threads(threads)
+    assert status == 1
+    assert err.strip().splitlines()[-1].startswith("error: parity failed for ")
+    assert "ort-fallback (K=1, quantile): logits beyond atol" in err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert not report["passed"] and next(s for s in report["stages"] if s["name"] == "parity")["status"] == "failed"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--k", "0"], "expert budget K must be a positive integer"),
+    (["--noise", "gaussian"], "--noise must be a comma-separated subset of quantile, sampled"),
+    (["--checkpoint", "/nonexistent"], "is not a checkpoint"),
+])
+def test_pipeline_bad_input_is_one_line(tmp_path, capsys, args, message):
+    status, _, err = cli(capsys, "pipeline", "--out", str(tmp_path / "out"), *args)
+    assert status == 1 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_pipeline_refuses_a_file_as_out(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    status, _, err = cli(capsys, "pipeline", "--out", str(target))
+    assert status == 1 and "exists and is not a directory" in err
+    assert target.read_text() == "x"
