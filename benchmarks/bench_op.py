@@ -65,16 +65,19 @@ def union_rows(starts: np.ndarray) -> float:
     return float((np.cumsum(covered, axis=1)[:, :H] > 0).sum(axis=1).mean())
 
 
-def timed(call, layers, repeats: int) -> float:
-    """Median seconds per call, cycling over the layers' weights."""
-    for i in range(len(layers)):
-        call(layers[i])
-    times = []
+def timed(calls: dict, layers: int, repeats: int) -> dict:
+    """Median milliseconds per call of each runner, cycling over the layers' weights. The runners
+    take turns call by call, so a change in machine load hits them all alike."""
+    for call in calls.values():
+        for i in range(layers):
+            call(i)
+    times = {name: [] for name in calls}
     for i in range(repeats):
-        start = time.perf_counter()
-        call(layers[i % len(layers)])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call(i % layers)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -124,20 +127,24 @@ def main():
                 "torch": reference}
 
     bandwidth = max(measure_bandwidth(1), measure_bandwidth(args.threads))
+    decode = []
+    for k in (1, 2, 4, 8):
+        starts = make_starts(1, k, rng).reshape(1, 1, k)
+        x = rng.standard_normal((1, 1, D)).astype(np.float32)
+        ms = timed(runners(x, starts), LAYERS, args.repeats)
+        decode.append((k, union_rows(starts.reshape(1, k)), ms))
+    # Measured again after the decode runs; the best is the roofline (load on a shared machine varies).
+    bandwidth = max(bandwidth, measure_bandwidth(1), measure_bandwidth(args.threads))
     results = {"layer": dict(d_model=D, ffn_hidden=H, slice_width=R), "threads": args.threads,
                "bandwidth_gb_s": bandwidth, "decode": [], "prefill": []}
-    print(f"memory bandwidth (copy, best of 1 and {args.threads} threads): {bandwidth:.1f} GB/s")
+    print(f"memory bandwidth (copy, best of 1 and {args.threads} threads, before and after decode): "
+          f"{bandwidth:.1f} GB/s")
 
     print(f"\ndecode, 1 token ({LAYERS} weight copies cycled)")
     print(f"{'K':>2} {'rows':>6} {'MB':>6} {'kernel ms':>10} {'fallback':>9} {'torch':>8} {'GB/s':>6} "
           f"{'roofline':>8} {'x fallback':>10} {'x torch':>8}")
-    for k in (1, 2, 4, 8):
-        starts = make_starts(1, k, rng).reshape(1, 1, k)
-        x = rng.standard_normal((1, 1, D)).astype(np.float32)
-        rows = union_rows(starts.reshape(1, k))
+    for k, rows, ms in decode:
         active = rows * (2 * D + 1) * 4
-        calls = runners(x, starts)
-        ms = {name: 1e3 * timed(call, range(LAYERS), args.repeats) for name, call in calls.items()}
         gb_s = active / (ms["kernel"] / 1e3) / 1e9
         roofline = ms["kernel"] / (active / bandwidth / 1e6)  # measured / ideal time
         row = dict(k=k, union_rows=rows, active_mb=active / 1e6, kernel_ms=ms["kernel"], fallback_ms=ms["fallback"],
@@ -155,7 +162,7 @@ def main():
         starts = make_starts(n, k, rng).reshape(1, n, k)
         x = rng.standard_normal((1, n, D)).astype(np.float32)
         calls = runners(x, starts)
-        rate = {name: n / timed(call, range(1), 3) for name, call in calls.items()}
+        rate = {name: n / (ms / 1e3) for name, ms in timed(calls, 1, 5).items()}
         row = dict(k=k, tokens=n, mean_union_rows=union_rows(starts.reshape(n, k)),
                    kernel_tokens_s=rate["kernel"], fallback_tokens_s=rate["fallback"], torch_tokens_s=rate["torch"],
                    speedup_vs_fallback=rate["kernel"] / rate["fallback"])

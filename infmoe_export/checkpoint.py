@@ -94,6 +94,7 @@ def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional
         (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
         save_file(state, str(staging / WEIGHTS_FILE), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        (staging / WEIGHTS_FILE).chmod(0o666 & ~umask)  # safetensors writes it private too
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -19,6 +19,7 @@ from .model import NOISE_MODES
 
 DEFAULT_OUT = Path("runs") / "pipeline"
 BATCHES, PREFILL = (1, 4), 128
+BUDGET_S = 1.5  # seconds of timed calls per latency figure at most, so the whole job stays short
 
 
 class Stages:
@@ -164,7 +165,7 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
             # Prefill of 128 tokens and decode with a cache of 128, or as long as the model allows.
             n = torch_model.config.n_positions
             common = dict(backends=["torch", "ort", "ort-fallback", "trt"], warmup=warmup, iters=iters,
-                          past=min(DEFAULT_PAST, n - 1), engines=engines, threads=threads)
+                          budget_s=BUDGET_S, past=min(DEFAULT_PAST, n - 1), engines=engines, threads=threads)
             quantile = run_bench(torch_model, [m for m in models if m.noise == "quantile"], batches=BATCHES,
                                  seqs=(1, min(PREFILL, n)), **common, progress=advance)
             sampled = run_bench(torch_model, [m for m in models if m.noise == "sampled"], batches=(1,), seqs=(1,),

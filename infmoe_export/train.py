@@ -111,6 +111,7 @@ def write_json_atomic(path: Path, data) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; it is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -1,6 +1,7 @@
 """Checkpoint round trips, and every kind of bad checkpoint or input refused in one line."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ def test_round_trip(make_model, tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
     ids = torch.randint(0, 259, (2, 9))
     assert torch.equal(loaded(ids, k=2).logits, model(ids, k=2).logits)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (path / WEIGHTS_FILE).stat().st_mode & 0o777 == 0o666 & ~umask  # not left private
     # saving again over it replaces it and leaves nothing else in the parent directory
     save_checkpoint(make_model(seed=4), path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

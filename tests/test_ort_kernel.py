@@ -1,5 +1,7 @@
 """The compiled onnxruntime kernel (plugins/onnxruntime) against the PyTorch reference op."""
 
+import warnings
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -176,12 +178,34 @@ def test_bad_attributes_are_errors(library):
         session(0)
 
 
-def test_missing_library_falls_back_and_says_so_once(monkeypatch, tmp_path):
-    monkeypatch.setenv(ort_kernel.ENV_VAR, str(tmp_path / "absent.so"))
+@pytest.mark.parametrize("content", [None, b"not a shared library"])
+def test_missing_library_falls_back_and_says_so_once(monkeypatch, tmp_path, content):
+    path = tmp_path / "libinfmoe_ort.so"
+    if content is not None:
+        path.write_bytes(content)
+    monkeypatch.setenv(ort_kernel.ENV_VAR, str(path))
     monkeypatch.setattr(ort_kernel, "_warned", False)
     with pytest.warns(UserWarning, match="fallback"):
         assert ort_kernel.register(ort.SessionOptions()) is False
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ort_kernel.register(ort.SessionOptions()) is False
+
+
+def test_kernel_takes_precedence_over_the_fallback_function(library):
+    """Exported models carry the standard-op function too; with the library registered the
+    kernel must run (it alone refuses a bad start), and both must agree on valid input."""
+    rng = np.random.default_rng(8)
+    feeds = make_feeds(rng, (2, 5), 24, 70, 9, 3, "edges")
+    model = ort_kernel.op_model(9, with_function=True).SerializeToString()
+    options = ort.SessionOptions()
+    assert ort_kernel.register(options)
+    kernel = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    fallback = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    ref = reference(feeds, 9)
+    assert relative_error(kernel.run(None, feeds)[0], ref) <= 1e-5
+    assert relative_error(fallback.run(None, feeds)[0], ref) <= 1e-5
+    feeds["starts"][0, 0, 0] = 70
+    fallback.run(None, feeds)  # the dense function just finds no unit in that window
+    with pytest.raises(Exception, match="outside"):
+        kernel.run(None, feeds)

@@ -52,7 +52,7 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
     from .validate import validate_onnx
 
     report = validate_onnx(model, path, atol=atol, raise_on_failure=False)
-    Console(stderr=True).print(report.table())
+    Console(stderr=True, width=120).print(report.table())
     if not report.passed:
         raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")
     click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)

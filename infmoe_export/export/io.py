@@ -116,6 +116,7 @@ class DecoderIO:
         c = self.config
         rng = np.random.default_rng(seed)
         ids = rng.integers(0, min(256, c.vocab_size), (batch, sequence))
+        past_sequence = past_sequence if self.past else 0
         mask = np.ones((batch, past_sequence + sequence), dtype=np.int64)
         mask[0, :left_pad] = 0
         past = [rng.standard_normal((batch, c.n_head, past_sequence, c.head_dim)).astype(DTYPES[self.dtype])

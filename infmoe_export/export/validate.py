@@ -7,6 +7,14 @@ and over tokens whose window starts agree in every layer (SPEC §5), and the sha
 that agree. Starts are read from the graph itself: a copy of the model lists each
 ContinuousSliceFFN node's `starts` input as an extra output.
 
+Starts are a floor, so two correct backends disagree where the continuous position
+sigmoid(z) (H - r + 1) lies within rounding of an integer, and once a row's windows differ in
+one layer, its later layers see different inputs and may differ anywhere. So the share of
+agreeing starts is reported, not judged (one boundary token in a 12-layer model already costs
+several percent of a short test); what fails is a disagreement at a row's *first* diverging
+layer that rounding cannot explain: the reference's position more than BOUNDARY_TOLERANCE x
+(H - r + 1) units outside the window onnxruntime chose.
+
 On failure the exported file is kept (as Optimum does): it is a complete model, useful to
 inspect, and the error names it.
 """
@@ -19,6 +27,7 @@ from typing import Dict, List, Optional, Union
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper
 
 from ..errors import InfMoEError
@@ -29,7 +38,9 @@ from .io import DecoderIO, model_io
 # fp32: the brief's bound. fp16: weights and activations carry 11 bits, so logits of order 1-10
 # differ by ~1e-2; starts move when the router's fp16 input lands near a window boundary.
 DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2}
-MIN_START_AGREEMENT = {"fp32": 0.999, "fp16": 0.95}
+# How far sigmoid(z) may move between backends: ~100 float32 ulps at 0.5; ~4 float16 ulps
+# (the router is fp32 in an fp16 model, but its input went through fp16 layers).
+BOUNDARY_TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3}
 
 
 @dataclass
@@ -49,7 +60,7 @@ class ValidationReport:
     atol: float
     outputs: List[OutputCheck] = field(default_factory=list)
     start_agreement: Optional[float] = None   # None: a dense model has no starts to compare
-    min_start_agreement: float = 0.999
+    boundary_cases: int = 0                   # first-layer disagreements explained by rounding
     problems: List[str] = field(default_factory=list)
 
     @property
@@ -59,7 +70,8 @@ class ValidationReport:
     def table(self):
         from rich.table import Table
 
-        agreement = "n/a (dense)" if self.start_agreement is None else f"{100 * self.start_agreement:.3f}%"
+        agreement = "n/a (dense)" if self.start_agreement is None else (
+            f"{100 * self.start_agreement:.3f}% ({self.boundary_cases} at window boundaries)")
         table = Table(title=f"validation of {self.path.name}: atol {self.atol:g}, starts agree {agreement}")
         for column in ("step", "output", "shape", "max abs", "max rel", "max abs (starts agree)", ""):
             table.add_column(column, justify="right" if column.startswith("max") else "left")
@@ -76,7 +88,7 @@ def _with_starts_outputs(path: Path, io: DecoderIO) -> Optional[Path]:
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
     if io.with_starts or not nodes:
         return None
-    for i, node in enumerate(nodes):  # the exporter emits them in layer order
+    for node in nodes:  # the exporter emits them in layer order
         model.graph.output.append(helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None))
     fd, copy = tempfile.mkstemp(prefix=f".{path.name}.validate.", suffix=".onnx", dir=path.parent)
     os.close(fd)
@@ -136,27 +148,33 @@ def validate_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, atol: Opti
     io = model_io(path)
     if io.config != model.config:
         raise InfMoEError(f"{path} was exported from a different model config than the one given")
-    report = ValidationReport(path, DEFAULT_ATOL[io.dtype] if atol is None else atol,
-                              min_start_agreement=MIN_START_AGREEMENT[io.dtype])
+    report = ValidationReport(path, DEFAULT_ATOL[io.dtype] if atol is None else atol)
     copy = _with_starts_outputs(path, io)
+    positions = {}  # layer -> the reference's continuous start positions, from a router hook
+    hooks = [block.moe.router.register_forward_hook(
+        lambda module, args, z, layer=layer: positions.__setitem__(layer, z.detach().double()))
+        for layer, block in enumerate(model.h)]
+    counts = []
     try:
         session = create_session(copy or path, kernel=kernel, providers=providers)
         _check_dims(report, session, io)
         names = [o.name for o in session.get_outputs()]
         reference = TorchRunner(model, io.k, io.noise, past=io.past, with_starts=True)
 
-        def run(feed):
+        def check(step, feed):
             actual = dict(zip(names, session.run(None, dict(feed))))
             starts = [actual.pop(n) for n in names[len(io.output_names):]]
             if io.with_starts:
                 starts = [actual[f"expert_starts.{i}"] for i in range(io.config.n_layer)]
-            return reference.infer(feed, check_inputs=False), actual, starts
+            expected = reference.infer(feed, check_inputs=False)
+            _compare(report, step, io, expected, actual, starts)
+            if starts:
+                counts.append(_check_starts(report, step, io, expected, starts, positions))
+            return expected
 
         with reference:
             prefill = io.dummy_inputs(batch=2, sequence=sequence, past_sequence=0, left_pad=2, seed=seed)
-            expected, actual, starts = run(prefill)
-            agree_counts = [_agreement(io, expected, starts)]
-            _compare(report, "prefill", io, expected, actual, starts)
+            expected = check("prefill", prefill)
             # The second step: one decode token on the reference's cache, or (no past) a new
             # batch and length, so that every dynamic dim takes a second value.
             rng = np.random.default_rng(seed + 1)
@@ -165,31 +183,44 @@ def validate_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, atol: Opti
                 past = [expected[n.replace("past_key_values", "present")].astype(io.dtypes()[n])
                         for n in io.past_names]
                 noise = rng.standard_normal((2, 1, io.k)) if io.noise == "sampled" else None
-                step, feed = "decode", io.feed(rng.integers(0, 256, (2, 1)), mask, past, noise)
+                check("decode", io.feed(rng.integers(0, 256, (2, 1)), mask, past, noise))
             else:
-                step, feed = "batch 3", io.dummy_inputs(batch=3, sequence=sequence - 2, past_sequence=0,
-                                                        left_pad=1, seed=seed + 1)
-            expected, actual, starts = run(feed)
-            agree_counts.append(_agreement(io, expected, starts))
-            _compare(report, step, io, expected, actual, starts)
+                check("batch 3", io.dummy_inputs(batch=3, sequence=sequence - 2, past_sequence=0, left_pad=1,
+                                                 seed=seed + 1))
     finally:
+        for hook in hooks:
+            hook.remove()
         if copy is not None:
             copy.unlink()
 
-    if all(count is not None for count in agree_counts):
-        same, total = map(sum, zip(*agree_counts))
+    if counts:
+        same, total = map(sum, zip(*counts))
         report.start_agreement = same / total
-        if report.start_agreement < report.min_start_agreement:
-            report.problems.append(f"only {100 * report.start_agreement:.2f}% of window starts agree "
-                                   f"(need {100 * report.min_start_agreement:g}%)")
     if raise_on_failure and not report.passed:
         raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")
     return report
 
 
-def _agreement(io: DecoderIO, expected, starts) -> Optional[tuple]:
-    """(equal starts, all starts) for one step; None for a dense model (no starts in the graph)."""
-    if not starts:
-        return None
-    same = sum(int((expected[f"expert_starts.{i}"] == s).sum()) for i, s in enumerate(starts))
-    return same, sum(s.size for s in starts)
+def _check_starts(report: ValidationReport, step: str, io: DecoderIO, expected, starts, positions) -> tuple:
+    """Count equal starts; judge each row's first diverging layer (see module doc).
+    Returns (equal starts, all starts)."""
+    c = io.config
+    windows = c.ffn_hidden - c.slice_width + 1
+    margin = BOUNDARY_TOLERANCE[io.dtype] * windows
+    diverged = np.zeros(starts[0].shape[0], dtype=bool)  # per batch row
+    same = total = 0
+    for layer, actual in enumerate(starts):
+        differ = expected[f"expert_starts.{layer}"] != actual
+        same, total = same + int((~differ).sum()), total + differ.size
+        first = differ & ~diverged[:, None, None]
+        if first.any():
+            chosen = actual[first].astype(np.float64)
+            position = (torch.sigmoid(positions[layer]) * windows).numpy()[first]
+            outside = np.maximum(np.maximum(chosen - position, position - (chosen + 1)), 0)
+            report.boundary_cases += int((outside <= margin).sum())
+            if (outside > margin).any():
+                report.problems.append(
+                    f"{step}: layer {layer}: {int((outside > margin).sum())} window starts differ by more than "
+                    f"rounding (reference position {outside.max():.3g} units outside onnxruntime's window)")
+        diverged |= differ.any(axis=(1, 2))
+    return same, total

@@ -43,11 +43,13 @@ def check_shapes(config, seqs: Sequence[int], past: int) -> None:
         raise InfMoEError(f"--past {past} must lie in [1, n_positions - 1 = {config.n_positions - 1}]")
 
 
-def measure(runner, model: backends_lib.OnnxModel, batch: int, seq: int, past: int, warmup: int, iters: int) -> dict:
+def measure(runner, model: backends_lib.OnnxModel, batch: int, seq: int, past: int, warmup: int, iters: int,
+            budget_s: Optional[float] = None) -> dict:
     """Time one (batch, seq) configuration on an active runner."""
     phase = "decode" if seq == 1 else "prefill"
     row = {"batch": batch, "seq": seq, "past": past if phase == "decode" else 0, "phase": phase,
-           "status": "ok", "reason": None, "latency_ms": None, "tokens_per_s": None, "peak_rss_delta_mib": None}
+           "status": "ok", "reason": None, "iters": None, "latency_ms": None, "tokens_per_s": None,
+           "peak_rss_delta_mib": None}
     if phase == "decode" and not model.io.past:
         return {**row, "status": "skipped", "reason": "the model has no KV-cache inputs (exported with --no-past)"}
     tokens = text_tokens(batch * (past + 1 if phase == "decode" else seq))
@@ -59,17 +61,18 @@ def measure(runner, model: backends_lib.OnnxModel, batch: int, seq: int, past: i
     else:
         feed = model.feed(tokens.reshape(batch, seq))
     with PeakMemory() as peak:
-        seconds = time_calls(lambda: runner.infer(feed, check_inputs=False), warmup, iters)
+        seconds = time_calls(lambda: runner.infer(feed, check_inputs=False), warmup, iters, budget_s)
     latency = latency_summary(seconds)
-    return {**row, "latency_ms": latency, "tokens_per_s": batch * seq / (latency["mean"] / 1e3),
+    return {**row, "iters": len(seconds), "latency_ms": latency, "tokens_per_s": batch * seq / (latency["mean"] / 1e3),
             "peak_rss_delta_mib": peak.delta_mib}
 
 
 def run_bench(torch_model, models: List[backends_lib.OnnxModel], *, backends: Sequence[str],
               batches: Sequence[int] = (1, 4), seqs: Sequence[int] = (1, 128), past: int = DEFAULT_PAST,
-              warmup: int = 5, iters: int = 30, engines: Optional[Path] = None, threads: Optional[int] = None,
-              progress=None) -> dict:
-    """The report's bench section. progress(description) is called before each backend and model."""
+              warmup: int = 5, iters: int = 30, budget_s: Optional[float] = None, engines: Optional[Path] = None,
+              threads: Optional[int] = None, progress=None) -> dict:
+    """The report's bench section. progress(description) is called before each backend and model;
+    budget_s caps the timed calls of one configuration (timing.time_calls)."""
     check_shapes(torch_model.config, seqs, past)
     results = []
     for model in models:
@@ -81,13 +84,14 @@ def run_bench(torch_model, models: List[backends_lib.OnnxModel], *, backends: Se
             if reason:
                 results += [{**base, "batch": b, "seq": s, "past": past if s == 1 else 0,
                              "phase": "decode" if s == 1 else "prefill", "status": "skipped", "reason": reason,
-                             "latency_ms": None, "tokens_per_s": None, "peak_rss_delta_mib": None}
+                             "iters": None, "latency_ms": None, "tokens_per_s": None, "peak_rss_delta_mib": None}
                             for b in batches for s in seqs]
                 continue
             with backends_lib.make_runner(backend, model, torch_model, engines, threads) as runner:
-                results += [{**base, **measure(runner, model, b, s, past, warmup, iters)}
+                results += [{**base, **measure(runner, model, b, s, past, warmup, iters, budget_s)}
                             for b in batches for s in seqs]
-    settings = {"warmup": warmup, "iters": iters, "decode_past": past, "latency": LATENCY_NOTE, "memory": MEMORY_NOTE}
+    settings = {"warmup": warmup, "iters": iters, "budget_s": budget_s, "decode_past": past, "latency": LATENCY_NOTE,
+                "memory": MEMORY_NOTE}
     return {"settings": settings, "results": results}
 
 

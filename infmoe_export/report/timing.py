@@ -19,8 +19,13 @@ from ..errors import InfMoEError
 PERCENTILES = (50, 90, 99)
 
 
-def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> List[float]:
-    """Seconds per call of fn over `iters` timed calls, after `warmup` untimed ones."""
+MIN_ITERS = 5
+
+
+def time_calls(fn: Callable[[], object], warmup: int, iters: int, budget_s: Optional[float] = None) -> List[float]:
+    """Seconds per call of fn over `iters` timed calls, after `warmup` untimed ones; with a
+    budget, the timed calls stop once they have taken budget_s seconds (but not before
+    MIN_ITERS calls), so a slow configuration cannot hold up a whole run."""
     if warmup < 0 or iters < 1:
         raise InfMoEError(f"need warmup >= 0 and iters >= 1, got warmup {warmup}, iters {iters}")
     for _ in range(warmup):
@@ -30,6 +35,8 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> List[float]
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
+        if budget_s is not None and len(seconds) >= MIN_ITERS and sum(seconds) >= budget_s:
+            break
     return seconds
 
 

@@ -35,9 +35,8 @@ def build_kernel(quiet: bool = True) -> pathlib.Path:
     if not BUILD_SCRIPT.is_file():
         raise InfMoEError(f"cannot build the onnxruntime kernel: {BUILD_SCRIPT} is missing "
                           "(not a source checkout)")
-    output = subprocess.PIPE if quiet else None
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=output, stderr=subprocess.STDOUT if quiet else None,
-                            text=True)
+    captured = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if quiet else {}
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], **captured)
     if result.returncode != 0:
         last = (result.stdout or "").strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
         raise InfMoEError(f"building the onnxruntime kernel failed: {last[0]}")
@@ -46,22 +45,27 @@ def build_kernel(quiet: bool = True) -> pathlib.Path:
     return LIBRARY_PATH
 
 
-def register(session_options) -> bool:
-    """Register the kernel on an onnxruntime.SessionOptions; False (said once) when absent."""
+def _fall_back(reason: str):
     global _warned
+    if not _warned:
+        warnings.warn(f"{reason}; ContinuousSliceFFN runs on the slower ONNX fallback function "
+                      "(build the kernel with plugins/onnxruntime/build.sh)", stacklevel=3)
+        _warned = True
+
+
+def register(session_options) -> bool:
+    """Register the kernel on an onnxruntime.SessionOptions. False when the library is absent or
+    does not load (said once per process): the model then runs on its fallback function."""
     library = custom_op_library()
     if library is None or not library.is_file():
-        if not _warned:
-            where = f"{ENV_VAR}={library}" if library is not None else str(LIBRARY_PATH)
-            warnings.warn(f"onnxruntime kernel library not found ({where}); ContinuousSliceFFN runs "
-                          "on the slower ONNX fallback function (build it with plugins/onnxruntime/build.sh)",
-                          stacklevel=2)
-            _warned = True
+        where = f"{ENV_VAR}={library}" if library is not None else str(LIBRARY_PATH)
+        _fall_back(f"onnxruntime kernel library not found ({where})")
         return False
     try:
         session_options.register_custom_ops_library(str(library))
     except Exception as error:  # onnxruntime raises its own exception types
-        raise InfMoEError(f"cannot load the onnxruntime kernel {library}: {str(error).splitlines()[0]}") from None
+        _fall_back(f"cannot load the onnxruntime kernel {library}: {str(error).splitlines()[0]}")
+        return False
     return True
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
+from polygraphy.datatype import DataType
 
 from ..errors import InfMoEError
 from ..export.io import DecoderIO
@@ -33,7 +34,7 @@ class TorchRunner(BaseRunner):
         dtypes = self.io.dtypes()
         for name, shape in self.io.shapes().items():
             if name in self.io.input_names:
-                meta.add(name, dtype=dtypes[name], shape=shape)
+                meta.add(name, dtype=DataType.from_dtype(np.dtype(dtypes[name])), shape=shape)
         return meta
 
     def infer_impl(self, feed_dict):

@@ -4,7 +4,8 @@
 #   build.sh          Release build -> infmoe_export/lib/libinfmoe_ort.so
 #   build.sh --asan   AddressSanitizer build -> plugins/onnxruntime/build-asan/libinfmoe_ort.so
 # Headers: ORT_INCLUDE_DIR if set, else fetched by fetch_deps.sh. CUDA: INFMOE_CUDA=ON|OFF
-# (default: ON when nvcc is found); the ASan build is CPU only.
+# (default: ON when nvcc is found); the ASan build is CPU only. INFMOE_ARCH: the -march value
+# (default native: tuned for this machine's CPU; set e.g. x86-64-v3 for a library to copy elsewhere).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -33,13 +34,23 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 
 if [ "$variant" = asan ]; then
   build="$here/build-asan"
-  cmake -S "$here" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINFMOE_ASAN=ON -DINFMOE_CUDA=OFF >/dev/null
+  cmake -S "$here" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINFMOE_ASAN=ON -DINFMOE_CUDA=OFF \
+    -DINFMOE_ARCH="${INFMOE_ARCH-native}" >/dev/null
   cmake --build "$build" --parallel
   echo "build.sh: $build/libinfmoe_ort.so (AddressSanitizer)"
 else
   build="$here/build"
-  cmake -S "$here" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DINFMOE_CUDA="$cuda" >/dev/null
-  cmake --build "$build" --parallel
+  release() {
+    cmake -S "$here" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DINFMOE_CUDA="$1" \
+      -DINFMOE_ARCH="${INFMOE_ARCH-native}" >/dev/null && cmake --build "$build" --parallel
+  }
+  if ! release "$cuda"; then
+    # An nvcc that was only detected, not asked for, must not cost the CPU kernel.
+    [ "$cuda" = ON ] && [ -z "${INFMOE_CUDA:-}" ] || exit 1
+    echo "build.sh: the CUDA kernel did not build; building the CPU kernel only" >&2
+    cuda=OFF
+    release OFF
+  fi
   mkdir -p "$repo/infmoe_export/lib"
   # Copy then rename, so a running process never sees a half-written library.
   cp "$build/libinfmoe_ort.so" "$repo/infmoe_export/lib/.libinfmoe_ort.so.tmp"

@@ -1,0 +1,154 @@
+"""The PyTorch and onnxruntime runners behind one Polygraphy interface, the compiled kernel's
+precedence over the fallback function, generation, and `infmoe-export run`."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from polygraphy.comparator import Comparator, SimpleCompareFunc
+
+from infmoe_export.checkpoint import load_checkpoint
+from infmoe_export.errors import InfMoEError
+from infmoe_export.export import export_onnx, model_io
+from infmoe_export.model import InfMoEConfig
+from infmoe_export.runtimes.generate import generate
+from infmoe_export.runtimes.onnxruntime import OrtRunner, create_session, default_providers
+from infmoe_export.runtimes.ort_kernel import custom_op_library
+from infmoe_export.runtimes.torch_runner import TorchRunner
+
+from conftest import TINY, random_model
+
+needs_kernel = pytest.mark.skipif(custom_op_library() is None,
+                                  reason="the onnxruntime kernel is not built (plugins/onnxruntime/build.sh)")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return random_model(InfMoEConfig(**TINY), seed=21)
+
+
+@pytest.fixture(scope="module")
+def sampled_k2(tiny_model, tmp_path_factory):
+    """Sampled noise, K = 2, with past and starts: every optional input and output at once."""
+    return export_onnx(tiny_model, tmp_path_factory.mktemp("runtimes") / "sampled_k2.onnx", k=2, noise="sampled",
+                       with_starts=True)
+
+
+def test_runners_share_io_and_agree_in_polygraphy(tiny_model, sampled_k2):
+    io = model_io(sampled_k2)
+    torch_runner = TorchRunner(tiny_model, k=2, noise="sampled", with_starts=True)
+    ort_runner = OrtRunner(sampled_k2, kernel=False)
+    with torch_runner, ort_runner:
+        torch_meta, ort_meta = torch_runner.get_input_metadata(), ort_runner.get_input_metadata()
+        assert list(torch_meta) == list(ort_meta) == io.input_names
+        for name in io.input_names:
+            assert torch_meta[name].dtype == ort_meta[name].dtype
+            assert list(torch_meta[name].shape) == list(ort_meta[name].shape)
+    feeds = [io.dummy_inputs(batch=2, sequence=9, past_sequence=0, left_pad=3, seed=1),
+             io.dummy_inputs(batch=1, sequence=1, past_sequence=6, left_pad=0, seed=2)]
+    results = Comparator.run([torch_runner, ort_runner], data_loader=feeds)
+    for outputs in results.values():
+        for output in outputs:
+            assert list(output) == io.output_names
+    accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=1e-4, rtol=0))
+    assert bool(accuracy)
+
+
+def test_default_providers():
+    providers = default_providers()
+    assert providers[-1] == "CPUExecutionProvider"
+    assert set(providers) <= set(ort.get_available_providers())
+
+
+@needs_kernel
+def test_registered_kernel_takes_precedence_over_the_function(sampled_k2, tmp_path):
+    """Profiling shows which implementation ran: the kernel's single ContinuousSliceFFN node,
+    or the function's inlined body (ReduceMean, Tanh, ... appear only there)."""
+    io = model_io(sampled_k2)
+    feed = dict(io.dummy_inputs(batch=2, sequence=8, past_sequence=0, seed=3))
+    logits, ran = {}, {}
+    for kernel in (True, False):
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(tmp_path / f"profile_{kernel}")
+        session = create_session(sampled_k2, kernel=kernel, options=options)
+        logits[kernel] = session.run(["logits"], feed)[0]
+        with open(session.end_profiling()) as f:
+            ran[kernel] = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
+    assert "ContinuousSliceFFN" in ran[True] and not {"ReduceMean", "Tanh"} & ran[True]
+    assert "ContinuousSliceFFN" not in ran[False] and {"ReduceMean", "Tanh"} <= ran[False]
+    assert np.abs(logits[True] - logits[False]).max() <= 1e-4
+
+
+def test_model_without_function_needs_the_kernel(sampled_k2, tmp_path):
+    model = onnx.load(str(sampled_k2))
+    del model.functions[:]
+    for prop in model.metadata_props:
+        if prop.key == "infmoe.has_function":
+            prop.value = "0"
+    path = tmp_path / "no_function.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(InfMoEError, match="--no-function"):
+        create_session(path, kernel=False)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_generation_is_the_same_in_torch_and_onnxruntime(tiny_model, sampled_k2, greedy):
+    """Same seed, same expert noise and sampling draws: the same tokens, prefill + cache."""
+    prompt = "αβ x".encode("utf-8")
+    kwargs = dict(greedy=greedy, temperature=0.9, top_k=40, seed=5)
+    new = TINY["n_positions"] - len(prompt)  # up to the longest sequence the model takes
+    expected = generate(TorchRunner(tiny_model, k=2, noise="sampled"), prompt, new + 3, **kwargs)
+    actual = generate(OrtRunner(sampled_k2, kernel=False), prompt, new + 3, **kwargs)
+    assert len(expected) == new and actual == expected
+    assert len(set(expected)) > 1  # not a degenerate constant stream
+
+
+def test_generate_bad_input(sampled_k2):
+    runner = OrtRunner(sampled_k2, kernel=False)
+    with pytest.raises(InfMoEError, match="prompt is empty"):
+        generate(runner, b"", 3)
+    with pytest.raises(InfMoEError, match="more than n_positions"):
+        generate(runner, b"x" * (TINY["n_positions"] + 1), 3)
+    with pytest.raises(InfMoEError, match="temperature must be positive"):
+        generate(runner, b"x", 3, greedy=False, temperature=0)
+
+
+def test_run_streams_text(sampled_k2, run_cli, tiny_model):
+    code, out, err = run_cli("run", "--model", sampled_k2, "--prompt", "héllo", "--max-new-tokens", 6, "--seed", 2,
+                             "--no-kernel")
+    assert code == 0, err
+    tokens = generate(TorchRunner(tiny_model, k=2, noise="sampled"), "héllo".encode(), 6, seed=2)
+    assert out == "héllo" + bytes(tokens).decode("utf-8", errors="replace") + "\n"
+
+
+def test_run_exports_the_checkpoint_once_into_the_cache(tmp_path, run_cli, monkeypatch, make_checkpoint):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = make_checkpoint(seed=8)
+    code, out, err = run_cli("run", "--checkpoint", ckpt, "--prompt", "ab", "--max-new-tokens", 4, "--greedy",
+                             "--no-kernel")
+    assert code == 0, err
+    assert "exporting" in err and out.startswith("ab")
+    cached = list((tmp_path / "cache" / "infmoe-export").glob("*/model.onnx"))
+    assert len(cached) == 1 and model_io(cached[0]).k == TINY["num_samples"]
+    # The second run finds it; a different checkpoint gets a different entry (not run here).
+    code, again, err = run_cli("run", "--checkpoint", ckpt, "--prompt", "ab", "--max-new-tokens", 4, "--no-kernel")
+    assert code == 0 and "exporting" not in err and again == out
+    expected = generate(TorchRunner(load_checkpoint(ckpt)), b"ab", 4)
+    assert out == "ab" + bytes(expected).decode("utf-8", errors="replace") + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{tmp}/missing.onnx"], "does not exist"),
+    (["--model", "{tmp}/model.onnx", "--greedy", "--temperature", "0.5"], "cannot be combined"),
+    (["--model", "{tmp}/model.onnx", "--k", "2"], "cannot be combined with --model"),
+    (["--checkpoint", "{tmp}/missing"], "is not a checkpoint"),
+])
+def test_run_bad_input(tmp_path, run_cli, args, message, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "model.onnx").write_bytes(b"not onnx")
+    code, out, err = run_cli("run", "--prompt", "x", *[a.format(tmp=tmp_path) for a in args])
+    assert code != 0 and message in err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
