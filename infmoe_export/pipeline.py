@@ -77,7 +77,7 @@ class Stages:
 @click.option("--max-windows", type=click.IntRange(min=1), default=8, show_default=True,
               help="Windows of n_positions tokens of validation text for parity.")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per latency figure.")
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
 def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup, threads):

@@ -154,6 +154,21 @@ def test_fallback_matches_reference(request, tiny_model, which):
     assert np.unique(np.concatenate([s.numpy().ravel() for s in expected.starts])).size > 2  # starts spread
 
 
+def test_validation_fails_on_a_wrong_model(quantile_k3, tiny_model):
+    """The check can fail: other weights (same config) give other logits and windows that no
+    rounding explains; the file is kept and named. A tolerance below float32 noise fails too."""
+    other = random_model(tiny_model.config, seed=12)
+    report = validate_onnx(other, quantile_k3, kernel=False, raise_on_failure=False)
+    assert not report.passed
+    assert any("present.0.key differs" in p for p in report.problems)  # layer 0 depends on no starts
+    assert any("differ by more than rounding" in p for p in report.problems)
+    with pytest.raises(InfMoEError, match="file kept"):
+        validate_onnx(other, quantile_k3, kernel=False)
+    assert quantile_k3.is_file()
+    strict = validate_onnx(tiny_model, quantile_k3, kernel=False, atol=1e-12, raise_on_failure=False)
+    assert not strict.passed and "atol 1e-12" in strict.problems[0]
+
+
 def test_graph_structure(quantile_k3, tiny_model):
     model = onnx.load(str(quantile_k3))
     c = tiny_model.config

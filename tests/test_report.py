@@ -118,7 +118,9 @@ def test_start_disagreement_is_counted_and_excluded():
     row = parity_lib.compare_backend("x", reference, test, ids, 1e-4, 1e-4, min_start_agreement=0.9)
     assert row["start_agreement"] == pytest.approx(1 - 1 / 36)
     assert row["agreeing_token_share"] == pytest.approx(5 / 6)
+    assert row["clean_token_share"] == pytest.approx(4 / 6)  # token 5 comes after the disagreement
     assert row["error_agreeing"]["max"] == 0.0 and row["error_all"]["max"] == pytest.approx(3.0)
+    assert row["error_clean"]["tokens"] == 4
     assert row["status"] == "pass"
     strict = parity_lib.compare_backend("x", reference, test, ids, 1e-4, 1e-4, min_start_agreement=0.99)
     assert strict["status"] == "fail" and "starts agree" in strict["reason"]
@@ -156,9 +158,10 @@ def test_parity_numbers_are_sensible(setup):
         assert 0 <= r["top1_agreement"] <= 1
     for r in ran:
         assert r["status"] == "pass", r["reason"]
-        assert 0 <= r["start_agreement"] <= 1 and 0 <= r["agreeing_token_share"] <= 1
+        assert 0 <= r["start_agreement"] <= 1
+        assert 0 <= r["clean_token_share"] <= r["agreeing_token_share"] <= 1
         assert r["start_agreement"] >= 0.999
-        for stats in (r["error_all"], r["error_agreeing"]):
+        for stats in (r["error_all"], r["error_agreeing"], r["error_clean"]):
             assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"] < 1e-3
             assert stats["mean"] <= stats["max"]
         assert r["perplexity"] == pytest.approx(r["reference_perplexity"], rel=1e-4)
@@ -178,6 +181,7 @@ def test_bench_numbers_are_sensible(setup):
     assert {r["backend"] for r in ok} >= {"torch", "ort-fallback"}
     assert {(r["phase"], r["past"]) for r in ok} == {("decode", 8), ("prefill", 0)}
     for r in ok:
+        assert r["iters"] == 4
         lat = r["latency_ms"]
         assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"]
         assert lat["min"] <= lat["mean"]

@@ -41,7 +41,8 @@ def test_runners_share_io_and_agree_in_polygraphy(tiny_model, sampled_k2):
     torch_runner = TorchRunner(tiny_model, k=2, noise="sampled", with_starts=True)
     ort_runner = OrtRunner(sampled_k2, kernel=False)
     with torch_runner, ort_runner:
-        torch_meta, ort_meta = torch_runner.get_input_metadata(), ort_runner.get_input_metadata()
+        torch_meta = torch_runner.get_input_metadata(use_numpy_dtypes=False)
+        ort_meta = ort_runner.get_input_metadata(use_numpy_dtypes=False)
         assert list(torch_meta) == list(ort_meta) == io.input_names
         for name in io.input_names:
             assert torch_meta[name].dtype == ort_meta[name].dtype

@@ -20,7 +20,7 @@ from .io import DTYPES
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
 @click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True)
-@click.option("--dtype", type=click.Choice(tuple(DTYPES)), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @click.option("--no-function", is_flag=True, help="Leave out the fallback function (TensorRT plugin models).")
 @click.option("--with-starts", is_flag=True, help="Add outputs expert_starts.{i} [batch, sequence, K].")
 @click.option("--atol", type=float, default=None, help="Validation tolerance (default: 1e-4 fp32, 5e-2 fp16).")

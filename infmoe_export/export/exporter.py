@@ -36,37 +36,31 @@ EXTERNAL_DATA_BYTES = 2**31 - 2**26
 
 
 class _ExportMoE(nn.Module):
-    """An InfMoE layer whose expert part is the custom op (the dense case: plain MatMuls)."""
+    """An InfMoE layer whose expert part is the custom op (the dense case: plain MatMuls).
 
-    def __init__(self, moe: nn.Module, router_dtype: torch.dtype):
+    dtype is the expert part's precision. The router and everything upstream of it stay fp32
+    even in an fp16 export: a start resolves 1 / (H - r + 1) of sigmoid's range (1/4609 at
+    GPT-2 Small size), and fp16 activations upstream move it by whole windows (docs/export.md)."""
+
+    def __init__(self, moe: nn.Module, dtype: torch.dtype):
         super().__init__()
-        self.moe, self.router_dtype = moe, router_dtype
+        self.moe, self.dtype = moe, dtype
+        for name in ("w_in", "b_in", "w_out", "b_out"):
+            getattr(moe, name).data = getattr(moe, name).data.to(dtype)
 
     def forward(self, x, eps):
         m = self.moe
-        # The router runs in fp32 even in an fp16 model: fp16 cannot tell starts 4 units apart
-        # once H - r + 1 > 2048.
-        z = m.router(x.to(self.router_dtype), eps)
-        starts = window_starts(z, m.ffn_hidden, m.slice_width)
+        starts = window_starts(m.router(x, eps), m.ffn_hidden, m.slice_width)
+        h = x.to(self.dtype)
         if m.slice_width == m.ffn_hidden:  # every window is the whole FFN: an ordinary MLP
-            return gelu_tanh(F.linear(x, m.w_in, m.b_in)) @ m.w_out + m.b_out, starts
-        y = torch.onnx.ops.symbolic(
-            f"{DOMAIN}::{OP_TYPE}", (x, starts, m.w_in, m.b_in, m.w_out, m.b_out),
-            dict(slice_width=m.slice_width, activation="gelu_tanh", plugin_namespace=DOMAIN,
-                 plugin_version=str(OP_VERSION)),
-            dtype=x.dtype, shape=x.shape, version=OP_VERSION)
-        return y, starts
-
-
-class _Float32(nn.Module):
-    """Runs a module (LayerNorm) in fp32 inside an fp16 model."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module.float()
-
-    def forward(self, x):
-        return self.module(x.float()).to(x.dtype)
+            y = gelu_tanh(F.linear(h, m.w_in, m.b_in)) @ m.w_out + m.b_out
+        else:
+            y = torch.onnx.ops.symbolic(
+                f"{DOMAIN}::{OP_TYPE}", (h, starts, m.w_in, m.b_in, m.w_out, m.b_out),
+                dict(slice_width=m.slice_width, activation="gelu_tanh", plugin_namespace=DOMAIN,
+                     plugin_version=str(OP_VERSION)),
+                dtype=h.dtype, shape=h.shape, version=OP_VERSION)
+        return y.to(x.dtype), starts
 
 
 class _ExportModule(nn.Module):
@@ -76,15 +70,9 @@ class _ExportModule(nn.Module):
         super().__init__()
         self.io = io
         self.model = copy.deepcopy(model).eval()
-        if io.dtype == "fp16":
-            self.model.half()
+        dtype = torch.float16 if io.dtype == "fp16" else torch.float32
         for block in self.model.h:
-            block.moe.router.float()
-            block.moe = _ExportMoE(block.moe, torch.float32)
-            if io.dtype == "fp16":
-                block.ln_1, block.ln_2 = _Float32(block.ln_1), _Float32(block.ln_2)
-        if io.dtype == "fp16":
-            self.model.ln_f = _Float32(self.model.ln_f)
+            block.moe = _ExportMoE(block.moe, dtype)
         if io.noise == "quantile":  # baked in as a constant
             self.register_buffer("quantile_eps", quantile_noise(io.k), persistent=False)
 

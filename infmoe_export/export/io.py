@@ -29,7 +29,8 @@ from ..errors import InfMoEError
 from ..model import NOISE_MODES, InfMoEConfig, Output
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
-DTYPES = {"fp32": np.float32, "fp16": np.float16}
+# The precision of the expert part (the FFN weights and the op); see exporter.py.
+DTYPES = ("fp32", "fp16")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class DecoderIO:
         if self.noise not in NOISE_MODES:
             raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {self.noise!r}")
         if self.dtype not in DTYPES:
-            raise InfMoEError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise InfMoEError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     # -- names and shapes --------------------------------------------------------------------
 
@@ -85,9 +86,9 @@ class DecoderIO:
         return {name: shapes[name] for name in self.input_names + self.output_names}
 
     def dtypes(self) -> Dict[str, type]:
-        float_type = DTYPES[self.dtype]
-        types = {name: float_type for name in self.input_names + self.output_names}
-        types.update({"input_ids": np.int64, "attention_mask": np.int64, "expert_noise": np.float32})
+        """numpy dtype per input/output: float32 in every export (fp16 is inside the FFN)."""
+        types = {name: np.float32 for name in self.input_names + self.output_names}
+        types.update({"input_ids": np.int64, "attention_mask": np.int64})
         types.update({name: np.int64 for name in self.output_names if name.startswith("expert_starts.")})
         return types
 
@@ -100,7 +101,7 @@ class DecoderIO:
         if self.past:
             if past is None:  # prefill: an empty cache
                 c = self.config
-                empty = np.zeros((input_ids.shape[0], c.n_head, 0, c.head_dim), dtype=DTYPES[self.dtype])
+                empty = np.zeros((input_ids.shape[0], c.n_head, 0, c.head_dim), dtype=np.float32)
                 past = [empty] * len(self.past_names)
             feed.update(zip(self.past_names, past))
         if self.noise == "sampled":
@@ -119,7 +120,7 @@ class DecoderIO:
         past_sequence = past_sequence if self.past else 0
         mask = np.ones((batch, past_sequence + sequence), dtype=np.int64)
         mask[0, :left_pad] = 0
-        past = [rng.standard_normal((batch, c.n_head, past_sequence, c.head_dim)).astype(DTYPES[self.dtype])
+        past = [rng.standard_normal((batch, c.n_head, past_sequence, c.head_dim)).astype(np.float32)
                 for _ in self.past_names] if self.past else None
         noise = rng.standard_normal((batch, sequence, self.k)) if self.noise == "sampled" else None
         return self.feed(ids, mask, past, noise)
