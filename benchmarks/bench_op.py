@@ -10,9 +10,14 @@ weights are served from cache.
     .venv/bin/python benchmarks/bench_op.py [--threads 2] [--json runs/bench_op.json]
 """
 
+import os
+
+# The runners take turns in one process: threads that spin after their call (OpenMP's default
+# in torch, onnxruntime's pool) would steal the cores the next runner needs, so none spins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import tempfile
@@ -106,6 +111,7 @@ def main():
     for name, use_kernel in (("kernel", True), ("fallback", False)):
         options = ort.SessionOptions()
         options.intra_op_num_threads = args.threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if use_kernel:
             ort_kernel.register(options)
         sessions[name] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])

@@ -110,15 +110,19 @@ def main():
                               "prefill_vs_fallback": kernel_prefill / measured["ort-fallback"][1]}}
             rows.append(row)
             print_row(row)
+            write(args.json, bandwidth, args, rows)  # after every K, so a long run keeps what it measured
 
     print_summary(rows)
+    print(f"results: {args.json}")
+
+
+def write(path, bandwidth, args, rows):
     result = {"environment": environment(), "bandwidth": bandwidth, "targets": TARGETS,
               "config": {"small": SMALL.to_dict(), "medium_dense": MEDIUM_DENSE.to_dict(), "past": PAST,
                          "prefill": PREFILL, "warmup": args.warmup, "iters": args.iters}, "results": rows}
-    out = Path(args.json)
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps(result, indent=2) + "\n")
-    print(f"results: {out}")
 
 
 def met(name: str, value: float) -> bool:

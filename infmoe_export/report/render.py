@@ -20,6 +20,7 @@ from ..errors import InfMoEError
 from .tradeoff import plot_tradeoff, tradeoff_rows
 
 SCHEMA_VERSION = 1
+TEXT_COLUMNS = {"note", "versions", "kernel library", "CPU", "checkpoint"}
 
 
 class Table(NamedTuple):
@@ -169,11 +170,14 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
         if t.title.startswith("Trade-off") and plot_png:
             data = base64.b64encode(plot_png).decode("ascii")
             parts.append(f'<p><img alt="perplexity and latency over K" src="data:image/png;base64,{data}"></p>')
-        parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in t.headers) + "</tr>")
+        # Free-text columns read left to right; wide tables scroll inside the page.
+        text = [h in TEXT_COLUMNS for h in t.headers]
+        parts.append('<div class="wide"><table><tr>' + "".join(f"<th>{e(h)}</th>" for h in t.headers) + "</tr>")
         for row, bad in zip(t.rows, t.bad):
             opening = '<tr class="bad">' if bad else "<tr>"
-            parts.append(opening + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
-        parts.append("</table>")
+            parts.append(opening + "".join(f'<td class="text">{e(c)}</td>' if is_text else f"<td>{e(c)}</td>"
+                                           for c, is_text in zip(row, text)) + "</tr>")
+        parts.append("</table></div>")
         if t.note:
             parts.append(f'<p class="note">{e(t.note)}</p>')
     if report["notes"]:

@@ -60,6 +60,7 @@ def plot_tradeoff(rows: List[dict]) -> bytes:
         axis.grid(True, alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
+    right.set_yscale("log")  # backends differ by orders of magnitude
     left.set_title("accuracy")
     right.set_title("cost")
     figure.tight_layout()
