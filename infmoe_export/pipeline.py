@@ -109,7 +109,6 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
     models_dir.mkdir(exist_ok=True)
     models = []
     engines = None
-    notes = []
 
     with Stages(console) as stages:
         def export(advance):
@@ -182,7 +181,7 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
         stages.run("parity", n_models, parity)
         stages.run("latency", 4 * n_models, latency)
 
-    notes += [r["note"] for r in stages.records if r["status"] == "skipped"]
+    notes = [r["note"] for r in stages.records if r["status"] == "skipped"]
     report = build_report("pipeline", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
                           torch_model.config.to_dict(), environment(threads), parity=parity_section, bench=bench_section,
                           stages=stages.records, notes=notes)

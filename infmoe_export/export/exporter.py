@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
+import onnx
 import onnx_ir as ir
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,10 @@ from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
 from .function import DOMAIN, OP_TYPE, OP_VERSION, ir_function
 from .io import BATCH, PAST, SEQUENCE, DecoderIO
 
-# torch.onnx's dynamo exporter emits opset 18 and up (its op library is written for 18);
-# onnxruntime 1.2x loads models up to opset 23. Both bounds are checked before any work.
-MIN_OPSET, MAX_OPSET, DEFAULT_OPSET = 18, 23, 18
+# torch.onnx's dynamo exporter emits opset 18 and up (its op library is written for 18); the
+# newest is the newest the installed onnx knows (28 with onnx 1.23; 18-28 exported and
+# validated in onnxruntime 1.32). Both bounds are checked before any work.
+MIN_OPSET, MAX_OPSET, DEFAULT_OPSET = 18, onnx.defs.onnx_opset_version(), 18
 # protobuf cannot hold a model over 2 GiB: above this, weights go to "<name>.data".
 EXTERNAL_DATA_BYTES = 2**31 - 2**26
 

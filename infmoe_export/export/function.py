@@ -35,7 +35,8 @@ def ContinuousSliceFFN(X, starts, w_in, b_in, w_out, b_out, slice_width: int, ac
 
 def ir_function(opset: int) -> ir.Function:
     """The function as an onnx_ir Function for a model of this opset (the checker wants a
-    function's default opset to match the model's; every op here means the same in 18..23)."""
+    function's default opset to match the model's; every op here means the same from 18 on,
+    later opsets only add types)."""
     function = ir.serde.deserialize_function(ContinuousSliceFFN.to_function_proto())
     function.opset_imports[""] = opset
     return function

@@ -23,7 +23,6 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-import torch
 
 from ..errors import InfMoEError
 from ..model import NOISE_MODES, InfMoEConfig, Output

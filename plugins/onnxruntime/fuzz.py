@@ -6,9 +6,11 @@ dimension, slice_width > H). A valid case must match the PyTorch reference, an i
 raise an onnxruntime error; anything else, or any sanitizer report, is a finding.
 
     plugins/onnxruntime/build.sh --asan
-    LD_PRELOAD=$(c++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \\
-      INFMOE_ORT_LIBRARY=plugins/onnxruntime/build-asan/libinfmoe_ort.so \\
+    LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)" \\
+      ASAN_OPTIONS=detect_leaks=0 INFMOE_ORT_LIBRARY=plugins/onnxruntime/build-asan/libinfmoe_ort.so \\
       .venv/bin/python plugins/onnxruntime/fuzz.py --cases 10000
+
+(docs/onnxruntime-kernel.md says why libstdc++ is preloaded too.)
 """
 
 import argparse

@@ -98,6 +98,19 @@ OrtStatusPtr Guard(Body&& body) {
   }
 }
 
+// The op's six inputs and their shapes.
+struct Inputs {
+  std::vector<Ort::ConstValue> values;
+  std::vector<std::vector<int64_t>> shapes;
+
+  explicit Inputs(const Ort::KernelContext& context) {
+    for (size_t i = 0; i < 6; ++i) {
+      values.push_back(context.GetInput(i));
+      shapes.push_back(values.back().GetTensorTypeAndShapeInfo().GetShape());
+    }
+  }
+};
+
 template <typename T>
 struct CpuKernel {
   Attributes attributes;
@@ -106,23 +119,18 @@ struct CpuKernel {
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard([&] {
       Ort::KernelContext context(raw_context);
-      std::vector<std::vector<int64_t>> shapes;
-      std::vector<Ort::ConstValue> inputs;
-      for (size_t i = 0; i < 6; ++i) {
-        inputs.push_back(context.GetInput(i));
-        shapes.push_back(inputs.back().GetTensorTypeAndShapeInfo().GetShape());
-      }
-      const infmoe::Sizes sizes = CheckShapes(shapes, attributes.slice_width);
-      const int64_t* starts = inputs[1].GetTensorData<int64_t>();
+      const Inputs inputs(context);
+      const infmoe::Sizes sizes = CheckShapes(inputs.shapes, attributes.slice_width);
+      const int64_t* starts = inputs.values[1].GetTensorData<int64_t>();
       CheckStarts(starts, sizes);
-      Ort::UnownedValue output = context.GetOutput(0, shapes[0]);
+      Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
 
       const infmoe::ParallelFor parallel_for = [&](size_t n, const std::function<void(size_t)>& body) {
         if (n == 1) return body(0);
         auto call = [](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); };
         context.ParallelFor(call, n, 0, const_cast<std::function<void(size_t)>*>(&body));
       };
-      auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs[i].GetTensorRawData()); };
+      auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs.values[i].GetTensorRawData()); };
       infmoe::ContinuousSliceFFN<T>(sizes, data(0), starts, data(2), data(3), data(4), data(5),
                                     reinterpret_cast<T*>(output.GetTensorMutableRawData()), parallel_for);
     });
@@ -139,20 +147,15 @@ struct CudaKernel {
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard([&] {
       Ort::KernelContext context(raw_context);
-      std::vector<std::vector<int64_t>> shapes;
-      std::vector<Ort::ConstValue> inputs;
-      for (size_t i = 0; i < 6; ++i) {
-        inputs.push_back(context.GetInput(i));
-        shapes.push_back(inputs.back().GetTensorTypeAndShapeInfo().GetShape());
-      }
-      const infmoe::Sizes sizes = CheckShapes(shapes, attributes.slice_width);
+      const Inputs inputs(context);
+      const infmoe::Sizes sizes = CheckShapes(inputs.shapes, attributes.slice_width);
       void* stream = context.GetGPUComputeStream();
-      const int64_t* starts = inputs[1].GetTensorData<int64_t>();
+      const int64_t* starts = inputs.values[1].GetTensorData<int64_t>();
       std::vector<int64_t> host_starts(sizes.tokens * sizes.k);
       infmoe::cuda::CopyToHost(starts, static_cast<int64_t>(host_starts.size()), host_starts.data(), stream);
       CheckStarts(host_starts.data(), sizes);
-      Ort::UnownedValue output = context.GetOutput(0, shapes[0]);
-      auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs[i].GetTensorRawData()); };
+      Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
+      auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs.values[i].GetTensorRawData()); };
       infmoe::cuda::ContinuousSliceFFN<T>(sizes, data(0), starts, data(2), data(3), data(4), data(5),
                                           reinterpret_cast<T*>(output.GetTensorMutableRawData()), stream);
     });
