@@ -13,7 +13,7 @@ import os
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 import numpy as np
 import torch

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InfMoEError
+from .options import positive_ints
 from .model import NOISE_MODES, InfMoEGPT
 
 
@@ -105,14 +106,7 @@ def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional
 
 
 def parse_ks(text: str) -> List[int]:
-    try:
-        ks = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise InfMoEError(f"--k must be a comma-separated list of positive integers, got {text!r}") from None
-    bad = [k for k in ks if k < 1]
-    if bad:
-        raise InfMoEError(f"expert budget K must be a positive integer, got {bad[0]}")
-    return ks
+    return positive_ints(text, "--k")
 
 
 @click.command("eval")

@@ -96,7 +96,7 @@ def test_not_a_checkpoint(tmp_path, run_cli):
         assert "is not a checkpoint" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("ks,named", [("0", "expert budget K"), ("2,-1", "expert budget K"),
+@pytest.mark.parametrize("ks,named", [("0", "positive integers"), ("2,-1", "positive integers"),
                                       ("two", "--k"), ("", "--k")])
 def test_bad_expert_budget(make_checkpoint, run_cli, tmp_path, ks, named):
     text = tmp_path / "text.txt"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from infmoe_export.errors import InfMoEError
-from infmoe_export.model import (InfMoEConfig, StraightThroughWindow, continuous_slice_ffn, coverage,
+from infmoe_export.model import (StraightThroughWindow, continuous_slice_ffn, coverage,
                                  quantile_noise, window_starts)
 
 

@@ -106,7 +106,7 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--k", "0"], "expert budget K must be a positive integer"),
+    (["--k", "0"], "--k must be a comma-separated list of positive integers"),
     (["--noise", "gaussian"], "--noise must be a comma-separated subset of quantile, sampled"),
     (["--checkpoint", "/nonexistent"], "is not a checkpoint"),
 ])

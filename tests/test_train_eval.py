@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from infmoe_export import data
 from infmoe_export.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint

@@ -16,6 +16,7 @@ import click
 import numpy as np
 
 from ..errors import InfMoEError
+from ..options import positive_ints
 from . import backends as backends_lib
 from .timing import PeakMemory, latency_summary, time_calls
 
@@ -103,16 +104,6 @@ def export_models(torch_model, ks: Sequence[int], noise: str, out_dir: Path) -> 
             for k in ks]
 
 
-def parse_ints(text: str, option: str) -> List[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise InfMoEError(f"{option} must be a comma-separated list of positive integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise InfMoEError(f"{option} values must be positive integers, got {text!r}")
-    return values
-
-
 @click.command("bench")
 @click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
 @click.option("--model", "model_paths", type=click.Path(), multiple=True,
@@ -142,7 +133,7 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     from .timing import environment
 
     backends = backends_lib.parse_backends(backend_list)
-    ks, batches, seqs = backends_lib.parse_ks(ks), parse_ints(batch_list, "--batch"), parse_ints(seq_list, "--seq")
+    ks, batches, seqs = backends_lib.parse_ks(ks), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
     if json_path and Path(json_path).is_dir():
         raise InfMoEError(f"--json {json_path} is a directory")
     torch_model = load_checkpoint(checkpoint)

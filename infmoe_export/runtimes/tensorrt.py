@@ -26,6 +26,7 @@ from polygraphy.backend.trt import EngineFromBytes
 from polygraphy.backend.trt import TrtRunner as PolygraphyTrtRunner  # TensorRT itself is imported lazily
 
 from ..errors import InfMoEError
+from ..options import positive_ints
 from ..export.function import DOMAIN, OP_TYPE, OP_VERSION
 from ..export.io import BATCH, PAST, SEQUENCE, TOTAL, DecoderIO, model_io
 
@@ -123,16 +124,8 @@ def check_plugin_model(path) -> int:
 
 
 def parse_ks(text: Optional[str]) -> Optional[List[int]]:
-    """'1,2,4,8' -> [1, 2, 4, 8] (sorted, unique); None stays None."""
-    if text is None:
-        return None
-    try:
-        ks = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise InfMoEError(f"--k must be a comma-separated list of positive integers, got {text!r}") from None
-    if not ks or ks[0] < 1:
-        raise InfMoEError(f"--k must be a comma-separated list of positive integers, got {text!r}")
-    return ks
+    """'1,2,4,8' -> [1, 2, 4, 8] (sorted, unique); None (every K the models have) stays None."""
+    return None if text is None else positive_ints(text, "--k")
 
 
 def plan_models(models: Sequence, ks: Optional[List[int]]) -> Dict[int, Path]:
