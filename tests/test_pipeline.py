@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from infmoe_export.checkpoint import save_checkpoint
-from infmoe_export.cli import main
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
 from infmoe_export.report.render import validate_report
 
@@ -76,17 +75,7 @@ def test_pipeline_says_once_when_tensorrt_is_absent(run):
         assert all(r["status"] == "skipped" for r in report["parity"]["results"] if r["backend"] == "trt")
 
 
-def cli(capsys, *args):
-    try:
-        main(list(args))
-        status = 0
-    except SystemExit as exit:
-        status = exit.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, capsys, monkeypatch):
+def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli, monkeypatch):
     """Polygraphy's verdict forced to "out of tolerance": the report is still written, the
     command fails naming the backends."""
     import torch
@@ -95,7 +84,7 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, capsys, 
 
     monkeypatch.setattr(parity, "polygraphy_passes", lambda *args: False)
     threads = torch.get_num_threads()
-    status, _, err = cli(capsys, "pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+    status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
                          "--k", "1", "--noise", "quantile", *FAST)
     torch.set_num_threads(threads)
     assert status == 1
@@ -110,14 +99,14 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, capsys, 
     (["--noise", "gaussian"], "--noise must be a comma-separated subset of quantile, sampled"),
     (["--checkpoint", "/nonexistent"], "is not a checkpoint"),
 ])
-def test_pipeline_bad_input_is_one_line(tmp_path, capsys, args, message):
-    status, _, err = cli(capsys, "pipeline", "--out", str(tmp_path / "out"), *args)
+def test_pipeline_bad_input_is_one_line(tmp_path, run_cli, args, message):
+    status, _, err = run_cli("pipeline", "--out", str(tmp_path / "out"), *args)
     assert status == 1 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_pipeline_refuses_a_file_as_out(tmp_path, capsys):
+def test_pipeline_refuses_a_file_as_out(tmp_path, run_cli):
     target = tmp_path / "file"
     target.write_text("x")
-    status, _, err = cli(capsys, "pipeline", "--out", str(target))
+    status, _, err = run_cli("pipeline", "--out", str(target))
     assert status == 1 and "exists and is not a directory" in err
     assert target.read_text() == "x"

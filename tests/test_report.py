@@ -13,7 +13,6 @@ import onnx
 import pytest
 
 from infmoe_export.checkpoint import save_checkpoint
-from infmoe_export.cli import main
 from infmoe_export.errors import InfMoEError
 from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
@@ -27,17 +26,6 @@ from infmoe_export.runtimes.ort_kernel import custom_op_library
 CONFIG = InfMoEConfig(vocab_size=256, n_positions=40, d_model=24, n_layer=2, n_head=2, ffn_hidden=37,
                       slice_width=9, num_samples=2)
 BACKENDS = ["ort", "ort-fallback", "trt"]
-
-
-def cli(capsys, *args):
-    """(exit status, stdout, stderr) of the CLI run in this process."""
-    try:
-        main(list(args))
-        status = 0
-    except SystemExit as exit:
-        status = exit.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +262,8 @@ def perturb(path, out):
     return out
 
 
-def test_parity_command_passes_and_writes_report(setup, tmp_path, capsys):
-    status, out, err = cli(capsys, "parity", "--checkpoint", str(setup["root"] / "checkpoint"),
+def test_parity_command_passes_and_writes_report(setup, tmp_path, run_cli):
+    status, out, err = run_cli("parity", "--checkpoint", str(setup["root"] / "checkpoint"),
                            "--model", str(setup["root"] / "models"), "--out", str(tmp_path / "out"), "--k", "1",
                            "--max-windows", "2")
     assert status == 0, err
@@ -306,32 +294,32 @@ def test_parity_fails_on_perturbed_weight_naming_the_backend(setup, tmp_path):
     (["--k", "5"], "no model for K=5"),
     (["--k", "0"], "positive integer"),
 ])
-def test_parity_bad_input_is_one_line(setup, tmp_path, capsys, args, message):
+def test_parity_bad_input_is_one_line(setup, tmp_path, run_cli, args, message):
     base = {"--model": str(setup["root"] / "models")}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
     argv = ["parity", "--checkpoint", str(setup["root"] / "checkpoint"), "--out", str(tmp_path / "out")]
     for flag, value in base.items():
         argv += [flag, value]
-    status, _, err = cli(capsys, *argv)
+    status, _, err = run_cli(*argv)
     assert status == 1 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "report.json").exists()
 
 
-def test_parity_rejects_model_of_another_checkpoint(setup, tmp_path, capsys):
+def test_parity_rejects_model_of_another_checkpoint(setup, tmp_path, run_cli):
     other = InfMoEGPT(InfMoEConfig(**{**CONFIG.to_dict(), "ffn_hidden": 41}))
     save_checkpoint(other, tmp_path / "other")
-    status, _, err = cli(capsys, "parity", "--checkpoint", str(tmp_path / "other"), "--model",
+    status, _, err = run_cli("parity", "--checkpoint", str(tmp_path / "other"), "--model",
                          str(setup["models"][0].path), "--out", str(tmp_path / "out"))
     assert status == 1 and "different checkpoint (ffn_hidden: 37 vs 41)" in err
 
 
-def test_bench_command_writes_valid_json(setup, tmp_path, capsys):
+def test_bench_command_writes_valid_json(setup, tmp_path, run_cli):
     import torch
 
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()
-    status, _, err = cli(capsys, "bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
+    status, _, err = run_cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
                          str(setup["models"][0].path), "--backends", "torch,ort-fallback", "--k", "1",
                          "--batch", "1", "--seq", "1,8", "--past", "4", "--warmup", "1", "--iters", "3",
                          "--threads", "1", "--json", str(out))
@@ -344,8 +332,8 @@ def test_bench_command_writes_valid_json(setup, tmp_path, capsys):
         (b, p) for b in ("torch", "ort-fallback") for p in ("decode", "prefill")}
 
 
-def test_bench_rejects_sequence_longer_than_model(setup, capsys):
-    status, _, err = cli(capsys, "bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
+def test_bench_rejects_sequence_longer_than_model(setup, run_cli):
+    status, _, err = run_cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
                          str(setup["models"][0].path), "--seq", "41", "--k", "1")
     assert status == 1 and "--seq 41 must lie in [1, n_positions = 40]" in err
 
