@@ -5,6 +5,7 @@ dependency is missing does not break the others.
 """
 
 import importlib
+import os
 import sys
 
 import click
@@ -47,6 +48,10 @@ def cli():
 
 
 def main(argv=None):
+    # Piped output (CI logs, `| tee`) would otherwise be cut to rich's 80-column default and
+    # truncate the report tables; rich reads COLUMNS when the stream is not a terminal.
+    if not sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", "200")
     try:
         cli.main(args=argv, prog_name="infmoe-export", standalone_mode=False)
     except click.exceptions.Abort:
