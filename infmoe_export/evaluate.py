@@ -105,10 +105,6 @@ def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional
     return stats
 
 
-def parse_ks(text: str) -> List[int]:
-    return positive_ints(text, "--k")
-
-
 @click.command("eval")
 @click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
 @click.option("--text", "texts", type=click.Path(), multiple=True,
@@ -124,7 +120,7 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
     from .data import corpus_bytes, read_texts, windows
     from .train import set_threads
 
-    ks = parse_ks(ks)
+    ks = positive_ints(ks, "--k")
     set_threads()
     model = load_checkpoint(checkpoint)
     data = read_texts(texts) if texts else corpus_bytes("validation")

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from .errors import InfMoEError
+from .options import positive_ints
 from .model import NOISE_MODES
 
 DEFAULT_OUT = Path("runs") / "pipeline"
@@ -86,7 +87,6 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
     from rich.console import Console
 
     from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
-    from .evaluate import parse_ks
     from .export import export_onnx, validate_onnx
     from .report import backends as backends_lib
     from .report.bench import DEFAULT_PAST, run_bench
@@ -96,7 +96,7 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
     from .runtimes import ort_kernel
     from .runtimes.tensorrt import tensorrt_available
 
-    ks = parse_ks(ks)
+    ks = positive_ints(ks, "--k")
     noises = [n.strip() for n in noise_list.split(",") if n.strip()]
     if not noises or any(n not in NOISE_MODES for n in noises):
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")

@@ -15,13 +15,12 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..errors import InfMoEError
-from ..evaluate import parse_ks
 from ..export.io import DecoderIO, model_io
 
 BACKENDS = ("torch", "ort", "ort-fallback", "trt")
 
 __all__ = ["BACKENDS", "OnnxModel", "check_models", "find_models", "make_runner", "parse_backends",
-           "parse_ks", "unavailable"]
+           "unavailable"]
 
 
 def parse_backends(text: str, allow_torch: bool = True) -> List[str]:

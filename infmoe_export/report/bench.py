@@ -133,7 +133,7 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     from .timing import environment
 
     backends = backends_lib.parse_backends(backend_list)
-    ks, batches, seqs = backends_lib.parse_ks(ks), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
+    ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
     if json_path and Path(json_path).is_dir():
         raise InfMoEError(f"--json {json_path} is a directory")
     torch_model = load_checkpoint(checkpoint)

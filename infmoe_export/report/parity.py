@@ -17,6 +17,7 @@ import click
 import numpy as np
 
 from ..errors import InfMoEError
+from ..options import positive_ints
 from . import backends as backends_lib
 
 DEFAULT_ATOL = 1e-3
@@ -247,7 +248,7 @@ def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_lis
     backends = backends_lib.parse_backends(backend_list, allow_torch=False)
     prepare_out_dir(Path(out), create=False)
     torch_model = load_checkpoint(checkpoint)
-    models = backends_lib.find_models(model_paths, ks=backends_lib.parse_ks(ks) if ks else None)
+    models = backends_lib.find_models(model_paths, ks=positive_ints(ks, "--k") if ks else None)
     backends_lib.check_models(models, torch_model.config)
     parity = run_parity(torch_model, models, backends=backends, engines=Path(engines) if engines else None,
                         texts=texts, max_windows=max_windows, atol=atol, rtol=rtol,
