@@ -14,15 +14,15 @@ from .errors import InfMoEError
 
 # command name -> ("module:attribute" of a click.Command, one-line help shown by --help)
 COMMANDS = {
-    "train": ("infmoe_export.train:train_command", "Train an ∞-MoE model from scratch on a byte corpus."),
-    "eval": ("infmoe_export.evaluate:eval_command", "Perplexity of a checkpoint per expert budget K."),
-    "doctor": ("infmoe_export.doctor:doctor_command", "What this machine can run: torch, onnxruntime, kernels, TensorRT."),
-    "onnx": ("infmoe_export.export.command:onnx_command", "Export a checkpoint to ONNX with the ContinuousSliceFFN op."),
-    "run": ("infmoe_export.runtimes.generate:run_command", "Generate text from an ONNX model in onnxruntime."),
-    "trt": ("infmoe_export.runtimes.tensorrt:trt_command", "Build one TensorRT engine per expert budget K."),
-    "parity": ("infmoe_export.report.parity:parity_command", "Parity of every backend against the PyTorch reference."),
-    "bench": ("infmoe_export.report.bench:bench_command", "Latency, throughput and memory per backend and K."),
-    "pipeline": ("infmoe_export.pipeline:pipeline_command", "The main job: export, validate, parity, latency, reports."),
+    "train": ("infmoe_export.commands.train:train_command", "Train an ∞-MoE model from scratch on a byte corpus."),
+    "eval": ("infmoe_export.commands.eval:eval_command", "Perplexity of a checkpoint per expert budget K."),
+    "doctor": ("infmoe_export.commands.doctor:doctor_command", "What this machine can run: torch, onnxruntime, kernels, TensorRT."),
+    "onnx": ("infmoe_export.commands.onnx:onnx_command", "Export a checkpoint to ONNX with the ContinuousSliceFFN op."),
+    "run": ("infmoe_export.commands.run:run_command", "Generate text from an ONNX model in onnxruntime."),
+    "trt": ("infmoe_export.commands.trt:trt_command", "Build one TensorRT engine per expert budget K."),
+    "parity": ("infmoe_export.commands.parity:parity_command", "Parity of every backend against the PyTorch reference."),
+    "bench": ("infmoe_export.commands.bench:bench_command", "Latency, throughput and memory per backend and K."),
+    "pipeline": ("infmoe_export.commands.pipeline:pipeline_command", "The main job: export, validate, parity, latency, reports."),
 }
 
 

@@ -5,16 +5,13 @@ non-overlapping windows of n_positions bytes (the last one shorter); each window
 2nd..last byte from the bytes before it in that window, so every window starts from no context.
 """
 
-import json
 import math
 from typing import Dict, List, Optional, Sequence
 
-import click
 import torch
 import torch.nn.functional as F
 
 from .errors import InfMoEError
-from .options import positive_ints
 from .model import NOISE_MODES, InfMoEGPT
 
 
@@ -103,45 +100,3 @@ def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional
             "top_start_share": (counts.max() / s.numel()).item(),
         })
     return stats
-
-
-@click.command("eval")
-@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
-@click.option("--text", "texts", type=click.Path(), multiple=True,
-              help="Text file(s) to score, concatenated (default: the stdlib validation split).")
-@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
-@click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per K.")
-def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
-    """Perplexity of a checkpoint per expert budget K."""
-    from .checkpoint import load_checkpoint
-    from .data import corpus_bytes, read_texts, windows
-    from .train import set_threads
-
-    ks = positive_ints(ks, "--k")
-    set_threads()
-    model = load_checkpoint(checkpoint)
-    data = read_texts(texts) if texts else corpus_bytes("validation")
-    chunks = windows(data, model.config.n_positions)
-    records = []
-    for k in ks:
-        total, count = window_nll(model, chunks, k, noise, seed, batch_size)
-        if count == 0:
-            raise InfMoEError("text too short: need at least 2 bytes to predict one")
-        records.append({"k": k, "noise": noise, "seed": seed if noise == "sampled" else None,
-                        "nll_per_byte": total / count, "perplexity": math.exp(total / count),
-                        "bits_per_byte": total / count / math.log(2), "predicted_bytes": count})
-    if as_json:
-        click.echo(json.dumps(records, indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"perplexity ({noise} noise, {len(data)} bytes, {len(chunks)} windows)")
-    for column in ("K", "perplexity", "NLL/byte (nats)", "bits/byte"):
-        table.add_column(column, justify="right")
-    for r in records:
-        table.add_row(str(r["k"]), f"{r['perplexity']:.4f}", f"{r['nll_per_byte']:.4f}", f"{r['bits_per_byte']:.4f}")
-    Console().print(table)

@@ -1,6 +1,7 @@
-"""Parsing shared by the commands' options."""
+"""Parsing and settings shared by the commands."""
 
-from typing import List
+import os
+from typing import List, Optional
 
 from .errors import InfMoEError
 
@@ -14,3 +15,15 @@ def positive_ints(text: str, option: str = "--k") -> List[int]:
     if not values or values[0] < 1:
         raise InfMoEError(f"{option} must be a comma-separated list of positive integers, got {text!r}")
     return values
+
+
+def set_threads(threads: Optional[int] = None) -> int:
+    """Torch intra-op threads: as asked, else as OMP_NUM_THREADS says, else at most 4 (small
+    models gain little beyond that, and on a shared machine more threads only fight)."""
+    import torch
+
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    threads = threads or min(4, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    return threads

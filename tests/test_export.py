@@ -13,10 +13,12 @@ import torch
 from onnx import TensorProto, helper
 
 from infmoe_export.errors import InfMoEError
-from infmoe_export.export import DecoderIO, export_onnx, exporter, model_io, validate_onnx
+from infmoe_export.contract import DecoderIO, ExportedModel
+from infmoe_export.export import export_onnx, exporter
+from infmoe_export.verify.validate import validate_onnx
 from infmoe_export.export.function import ContinuousSliceFFN
 from infmoe_export.model import InfMoEConfig, continuous_slice_ffn
-from infmoe_export.runtimes.onnxruntime import create_session
+from infmoe_export.runtimes.ort import create_session
 
 from conftest import TINY, random_model
 
@@ -107,12 +109,12 @@ def onnx_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quantile_k3(tiny_model, onnx_dir):
     """K = 3, quantile noise, with past: the default kind of export."""
-    return export_onnx(tiny_model, onnx_dir / "quantile_k3.onnx", k=3)
+    return export_onnx(tiny_model, onnx_dir / "quantile_k3.onnx", k=3).path
 
 
 @pytest.fixture(scope="module")
 def sampled_k1_nopast(tiny_model, onnx_dir):
-    return export_onnx(tiny_model, onnx_dir / "sampled_k1.onnx", k=1, noise="sampled", past=False, with_starts=True)
+    return export_onnx(tiny_model, onnx_dir / "sampled_k1.onnx", k=1, noise="sampled", past=False, with_starts=True).path
 
 
 def _left_padded_feed(io, batch=2, sequence=None, seed=0):
@@ -133,7 +135,7 @@ def test_fallback_matches_reference(request, tiny_model, which):
     """Left-padded batch 2 at full length: logits within 1e-4 over tokens whose starts agree,
     >= 99.9% of starts equal; then validate_onnx (prefill + decode) passes."""
     path = request.getfixturevalue(which)
-    io = model_io(path)
+    io = ExportedModel.read(path).io
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
     session = create_session(path, kernel=False)
     # A copy with every layer's starts as outputs (the quantile model does not have them).
@@ -211,7 +213,7 @@ def test_graph_structure(quantile_k3, tiny_model):
 def test_decode_with_past_equals_full_forward(quantile_k3):
     """Prefill 6 tokens, then 4 decode steps feeding present -> past: the logits of every real
     token equal those of one pass over all 10 tokens (a left-padded row included)."""
-    io = model_io(quantile_k3)
+    io = ExportedModel.read(quantile_k3).io
     session = create_session(quantile_k3, kernel=False)
     names = [o.name for o in session.get_outputs()]
     full = io.dummy_inputs(batch=2, sequence=10, past_sequence=0, left_pad=3, seed=5)
@@ -237,7 +239,7 @@ def test_sampled_noise_is_an_input(sampled_k1_nopast, tiny_model):
     assert outputs == ["logits"] + [f"expert_starts.{i}" for i in range(tiny_model.config.n_layer)]
     # Different noise, different windows: the input is really used.
     session = create_session(sampled_k1_nopast, kernel=False)
-    io = model_io(sampled_k1_nopast)
+    io = ExportedModel.read(sampled_k1_nopast).io
     feed = dict(io.dummy_inputs(sequence=9, past_sequence=0, seed=1))
     first = session.run(["expert_starts.0"], feed)[0]
     feed["expert_noise"] = -feed["expert_noise"]
@@ -247,7 +249,7 @@ def test_sampled_noise_is_an_input(sampled_k1_nopast, tiny_model):
 def test_fp16_export(tiny_model, onnx_dir):
     """fp16 expert part (FFN weights and op), fp32 elsewhere (see docs/export.md). Tolerance:
     5e-2 on logits of order 1-10 over tokens whose windows agree, >= 95% of starts agree."""
-    path = export_onnx(tiny_model, onnx_dir / "fp16.onnx", k=3, noise="sampled", dtype="fp16")
+    path = export_onnx(tiny_model, onnx_dir / "fp16.onnx", k=3, noise="sampled", dtype="fp16").path
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     assert {t.data_type for t in model.graph.initializer if t.name.endswith("w_in")} == {TensorProto.FLOAT16}
@@ -263,7 +265,7 @@ def test_dense_exports_plain_matmuls_with_external_data(make_model, tmp_path, mo
     """slice_width == ffn_hidden: no custom op, no function; forced external data still loads."""
     model = make_model(slice_width=TINY["ffn_hidden"], seed=3)
     monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 0)
-    path = export_onnx(model, tmp_path / "dense.onnx", k=2, opset=20)
+    path = export_onnx(model, tmp_path / "dense.onnx", k=2, opset=20).path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.onnx", "dense.onnx.data"]
     proto = onnx.load(str(path), load_external_data=False)
     assert not [n for n in proto.graph.node if n.domain == "infmoe"] and not proto.functions

@@ -80,7 +80,7 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
     command fails naming the backends."""
     import torch
 
-    from infmoe_export.report import parity
+    from infmoe_export.verify import parity
 
     monkeypatch.setattr(parity, "polygraphy_passes", lambda *args: False)
     threads = torch.get_num_threads()

@@ -16,8 +16,9 @@ from infmoe_export.checkpoint import save_checkpoint
 from infmoe_export.errors import InfMoEError
 from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
-from infmoe_export.report import parity as parity_lib
-from infmoe_export.report.backends import find_models, read_model
+from infmoe_export.verify import parity as parity_lib
+from infmoe_export.contract import ExportedModel
+from infmoe_export.runtimes.registry import find_models
 from infmoe_export.report.bench import run_bench
 from infmoe_export.report.render import build_report, load_schema, validate_report, write_report
 from infmoe_export.report.timing import environment, latency_summary, memory_bandwidth
@@ -342,4 +343,4 @@ def test_read_model_refuses_non_onnx(tmp_path):
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"not a model")
     with pytest.raises(InfMoEError, match="not a readable ONNX model"):
-        read_model(junk)
+        ExportedModel.read(junk)

@@ -11,10 +11,11 @@ from polygraphy.comparator import Comparator, SimpleCompareFunc
 
 from infmoe_export.checkpoint import load_checkpoint
 from infmoe_export.errors import InfMoEError
-from infmoe_export.export import export_onnx, model_io
+from infmoe_export.contract import DecoderIO, ExportedModel
+from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig
 from infmoe_export.runtimes.generate import generate
-from infmoe_export.runtimes.onnxruntime import OrtRunner, create_session, default_providers
+from infmoe_export.runtimes.ort import OrtRunner, create_session, default_providers
 from infmoe_export.runtimes.ort_kernel import custom_op_library
 from infmoe_export.runtimes.torch_runner import TorchRunner
 
@@ -33,13 +34,13 @@ def tiny_model():
 def sampled_k2(tiny_model, tmp_path_factory):
     """Sampled noise, K = 2, with past and starts: every optional input and output at once."""
     return export_onnx(tiny_model, tmp_path_factory.mktemp("runtimes") / "sampled_k2.onnx", k=2, noise="sampled",
-                       with_starts=True)
+                       with_starts=True).path
 
 
 def test_runners_share_io_and_agree_in_polygraphy(tiny_model, sampled_k2):
-    io = model_io(sampled_k2)
-    torch_runner = TorchRunner(tiny_model, k=2, noise="sampled", with_starts=True)
-    ort_runner = OrtRunner(sampled_k2, kernel=False)
+    io = ExportedModel.read(sampled_k2).io
+    torch_runner = TorchRunner(io, tiny_model)
+    ort_runner = OrtRunner(io, sampled_k2, kernel=False)
     with torch_runner, ort_runner:
         torch_meta = torch_runner.get_input_metadata(use_numpy_dtypes=False)
         ort_meta = ort_runner.get_input_metadata(use_numpy_dtypes=False)
@@ -67,7 +68,7 @@ def test_default_providers():
 def test_registered_kernel_takes_precedence_over_the_function(sampled_k2, tmp_path):
     """Profiling shows which implementation ran: the kernel's single ContinuousSliceFFN node,
     or the function's inlined body (ReduceMean, Tanh, ... appear only there)."""
-    io = model_io(sampled_k2)
+    io = ExportedModel.read(sampled_k2).io
     feed = dict(io.dummy_inputs(batch=2, sequence=8, past_sequence=0, seed=3))
     logits, ran = {}, {}
     for kernel in (True, False):
@@ -101,14 +102,15 @@ def test_generation_is_the_same_in_torch_and_onnxruntime(tiny_model, sampled_k2,
     prompt = "αβ x".encode("utf-8")
     kwargs = dict(greedy=greedy, temperature=0.9, top_k=40, seed=5)
     new = TINY["n_positions"] - len(prompt)  # up to the longest sequence the model takes
-    expected = generate(TorchRunner(tiny_model, k=2, noise="sampled"), prompt, new + 3, **kwargs)
-    actual = generate(OrtRunner(sampled_k2, kernel=False), prompt, new + 3, **kwargs)
+    io = ExportedModel.read(sampled_k2).io
+    expected = generate(TorchRunner(io, tiny_model), prompt, new + 3, **kwargs)
+    actual = generate(OrtRunner(io, sampled_k2, kernel=False), prompt, new + 3, **kwargs)
     assert len(expected) == new and actual == expected
     assert len(set(expected)) > 1  # not a degenerate constant stream
 
 
 def test_generate_bad_input(sampled_k2):
-    runner = OrtRunner(sampled_k2, kernel=False)
+    runner = OrtRunner(ExportedModel.read(sampled_k2).io, sampled_k2, kernel=False)
     with pytest.raises(InfMoEError, match="prompt is empty"):
         generate(runner, b"", 3)
     with pytest.raises(InfMoEError, match="more than n_positions"):
@@ -121,7 +123,7 @@ def test_run_streams_text(sampled_k2, run_cli, tiny_model):
     code, out, err = run_cli("run", "--model", sampled_k2, "--prompt", "héllo", "--max-new-tokens", 6, "--seed", 2,
                              "--no-kernel")
     assert code == 0, err
-    tokens = generate(TorchRunner(tiny_model, k=2, noise="sampled"), "héllo".encode(), 6, seed=2)
+    tokens = generate(TorchRunner(DecoderIO(tiny_model.config, 2, "sampled"), tiny_model), "héllo".encode(), 6, seed=2)
     assert out == "héllo" + bytes(tokens).decode("utf-8", errors="replace") + "\n"
 
 
@@ -133,11 +135,12 @@ def test_run_exports_the_checkpoint_once_into_the_cache(tmp_path, run_cli, monke
     assert code == 0, err
     assert "exporting" in err and out.startswith("ab")
     cached = list((tmp_path / "cache" / "infmoe-export").glob("*/model.onnx"))
-    assert len(cached) == 1 and model_io(cached[0]).k == TINY["num_samples"]
+    assert len(cached) == 1 and ExportedModel.read(cached[0]).io.k == TINY["num_samples"]
     # The second run finds it; a different checkpoint gets a different entry (not run here).
     code, again, err = run_cli("run", "--checkpoint", ckpt, "--prompt", "ab", "--max-new-tokens", 4, "--no-kernel")
     assert code == 0 and "exporting" not in err and again == out
-    expected = generate(TorchRunner(load_checkpoint(ckpt)), b"ab", 4)
+    model = load_checkpoint(ckpt)
+    expected = generate(TorchRunner(DecoderIO(model.config, model.config.num_samples), model), b"ab", 4)
     assert out == "ab" + bytes(expected).decode("utf-8", errors="replace") + "\n"
 
 

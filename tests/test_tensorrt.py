@@ -19,7 +19,8 @@ import torch
 
 from infmoe_export.cli import main
 from infmoe_export.errors import InfMoEError
-from infmoe_export.export import export_onnx, model_io
+from infmoe_export.contract import ExportedModel
+from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
 from infmoe_export.runtimes import tensorrt as trt_rt
 
@@ -45,7 +46,7 @@ def tiny_model():
 @pytest.fixture(scope="module")
 def plugin_onnx(tiny_model, tmp_path_factory):
     """The tiny model exported for K = 2 the way `infmoe-export trt` exports: no local function."""
-    return export_onnx(tiny_model, tmp_path_factory.mktemp("onnx") / "model_k2.onnx", k=2, function=False)
+    return export_onnx(tiny_model, tmp_path_factory.mktemp("onnx") / "model_k2.onnx", k=2, function=False).path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def test_parse_ks_refuses(text):
 
 
 def test_profiles_cover_prefill_and_decode(plugin_onnx):
-    io = model_io(plugin_onnx)
+    io = ExportedModel.read(plugin_onnx).io
     prefill, decode = trt_rt.profile_shapes(io, max_batch=3, max_seq=16)
     assert (prefill["name"], decode["name"]) == ("prefill", "decode")
     assert prefill["shapes"]["input_ids"] == {"min": [1, 1], "opt": [1, 8], "max": [3, 16]}
@@ -255,7 +256,7 @@ def test_profiles_cover_prefill_and_decode(plugin_onnx):
 
 
 def test_profiles_refuse_impossible_limits(plugin_onnx):
-    io = model_io(plugin_onnx)
+    io = ExportedModel.read(plugin_onnx).io
     with pytest.raises(InfMoEError, match="--max-seq must be in \\[1, 32\\]"):
         trt_rt.profile_shapes(io, max_batch=1, max_seq=33)
     with pytest.raises(InfMoEError, match="--max-batch must be at least 1"):
@@ -268,7 +269,7 @@ def test_profiles_refuse_impossible_limits(plugin_onnx):
 
 def write_fake_build(folder: Path, onnx_path: Path, ks):
     """A manifest as build_engines writes it, with placeholder engine files (no TensorRT here)."""
-    profiles = trt_rt.profile_shapes(model_io(onnx_path), 1, 8)
+    profiles = trt_rt.profile_shapes(ExportedModel.read(onnx_path).io, 1, 8)
     entries = []
     for k in ks:
         (folder / f"model_k{k}.engine").write_bytes(b"placeholder engine for K=%d" % k)
@@ -288,7 +289,7 @@ def test_manifest_round_trip_and_selection_by_k(plugin_onnx, tmp_path):
     assert entry["onnx"]["sha256"] == trt_rt.file_sha256(plugin_onnx) and len(entry["onnx"]["sha256"]) == 64
     assert (entry["precision"], entry["tensorrt_version"], entry["gpu"]) == ("fp32", "10.13.0", "NVIDIA H200")
     assert [p["name"] for p in entry["profiles"]] == ["prefill", "decode"]
-    assert entry["io"]["inputs"] == model_io(plugin_onnx).input_names
+    assert entry["io"]["inputs"] == ExportedModel.read(plugin_onnx).io.input_names
 
     manifest = trt_rt.read_manifest(tmp_path)
     chosen = trt_rt.select_engine(manifest, 2)
@@ -360,7 +361,7 @@ def test_engine_matches_the_reference(tiny_model, plugin_onnx, tmp_path, jit):
     manifest = trt_rt.build_engines({2: Path(plugin_onnx)}, tmp_path, fp16=False, timing_cache=tmp_path / "t.cache",
                                     max_batch=2, max_seq=16, jit=jit)
     assert trt_rt.read_manifest(manifest)["engines"][0]["plugin"] == ("jit" if jit else "aot")
-    io = model_io(plugin_onnx)
+    io = ExportedModel.read(plugin_onnx).io
     feed = io.dummy_inputs(batch=2, sequence=6, past_sequence=0)
     with trt_rt.TrtRunner(tmp_path, 2) as runner:
         outputs = runner.infer(feed)

@@ -15,7 +15,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import onnx
 import onnx_ir as ir
@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
+from ..contract import BATCH, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
-from .function import DOMAIN, OP_TYPE, OP_VERSION, ir_function
-from .io import BATCH, PAST, SEQUENCE, DecoderIO
+from .function import ir_function
 
 # torch.onnx's dynamo exporter emits opset 18 and up (its op library is written for 18); the
 # newest is the newest the installed onnx knows (28 with onnx 1.23; 18-28 exported and
@@ -170,8 +170,8 @@ def _save_atomic(model: ir.Model, path: Path, external: bool):
 
 def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[int] = None,
                 noise: str = "quantile", past: bool = True, opset: int = DEFAULT_OPSET, dtype: str = "fp32",
-                function: bool = True, with_starts: bool = False) -> Path:
-    """Export model for expert budget k (default: its num_samples) to path; returns the path."""
+                function: bool = True, with_starts: bool = False) -> ExportedModel:
+    """Export model for expert budget k (default: its num_samples) to path."""
     io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype)
     check_opset(opset)
     path = check_output_path(path)
@@ -200,9 +200,29 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     if has_function:
         fn = ir_function(opset)
         onnx_model.functions[fn.identifier()] = fn
-    onnx_model.metadata_props.update(io.metadata(opset, has_function))
+    metadata = io.metadata(opset, has_function)
+    onnx_model.metadata_props.update(metadata)
     onnx_model.producer_name = "infmoe-export"
 
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     _save_atomic(onnx_model, path, external=weight_bytes > EXTERNAL_DATA_BYTES)
-    return path
+    return ExportedModel(path, io, metadata)
+
+
+def model_filename(k: int, noise: str) -> str:
+    return f"model_k{k}_{noise}.onnx"
+
+
+def export_many(model: InfMoEGPT, folder: Union[str, os.PathLike], ks: Sequence[int],
+                noises: Sequence[str] = ("quantile",), *, progress=None, **options) -> List[ExportedModel]:
+    """One model per (noise, K) into folder as model_k{K}_{noise}.onnx, in that order; options go
+    to export_onnx. progress(description) is called before each export. Every command that
+    exports more than one model (pipeline, bench, trt) comes through here."""
+    folder = Path(folder)
+    exported = []
+    for noise in noises:
+        for k in ks:
+            if progress:
+                progress(f"K={k} {noise}")
+            exported.append(export_onnx(model, folder / model_filename(k, noise), k=k, noise=noise, **options))
+    return exported

@@ -9,10 +9,12 @@ c_i = (windows covering unit i) / K, built from Range and comparisons. GELU is w
 import math
 
 import onnx_ir as ir
+from onnx import TensorProto, helper
 from onnxscript import script, values
 from onnxscript import opset18 as op
 
-DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
+from ..contract import DOMAIN, OP_TYPE, OP_VERSION
+
 infmoe = values.Opset(DOMAIN, OP_VERSION)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -40,3 +42,20 @@ def ir_function(opset: int) -> ir.Function:
     function = ir.serde.deserialize_function(ContinuousSliceFFN.to_function_proto())
     function.opset_imports[""] = opset
     return function
+
+
+def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False):
+    """A one-node ONNX model of the op, every input of free shape (tests, fuzzing, benchmarks).
+
+    with_function attaches the standard-op fallback function, which onnxruntime runs when the
+    kernel library is not registered."""
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    names = ["X", "starts", "w_in", "b_in", "w_out", "b_out"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "starts" else elem, None) for n in names]
+    node = helper.make_node(OP_TYPE, names, ["Y"], domain=DOMAIN, slice_width=slice_width, activation=activation,
+                            plugin_namespace=DOMAIN, plugin_version=str(OP_VERSION))
+    graph = helper.make_graph([node], "continuous_slice_ffn", inputs, [helper.make_tensor_value_info("Y", elem, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
+    functions = [ContinuousSliceFFN.to_function_proto()] if with_function else []
+    # IR 10 is read by every onnxruntime this project supports (>= 1.20).
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

@@ -5,7 +5,7 @@ import io
 from typing import List, Optional
 
 from ..errors import InfMoEError
-from .backends import BACKENDS
+from ..runtimes.registry import BACKENDS
 
 
 def tradeoff_rows(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:

@@ -67,27 +67,3 @@ def register(session_options) -> bool:
         _fall_back(f"cannot load the onnxruntime kernel {library}: {str(error).splitlines()[0]}")
         return False
     return True
-
-
-def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False):
-    """A one-node ONNX model of the op, every input of free shape (tests, fuzz, benchmark).
-
-    with_function attaches the exporter's standard-op fallback function, which onnxruntime
-    runs when the kernel library is not registered."""
-    from onnx import TensorProto, helper
-
-    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
-    names = ["X", "starts", "w_in", "b_in", "w_out", "b_out"]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "starts" else elem, None) for n in names]
-    node = helper.make_node("ContinuousSliceFFN", names, ["Y"], domain="infmoe", slice_width=slice_width,
-                            activation=activation, plugin_namespace="infmoe", plugin_version="1")
-    graph = helper.make_graph([node], "continuous_slice_ffn", inputs,
-                              [helper.make_tensor_value_info("Y", elem, None)])
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("infmoe", 1)]
-    functions = []
-    if with_function:
-        from ..export.function import ContinuousSliceFFN
-
-        functions.append(ContinuousSliceFFN.to_function_proto())
-    # IR 10 is read by every onnxruntime this project supports (>= 1.20).
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

@@ -14,17 +14,20 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 
+from ..contract import DecoderIO
 from ..errors import InfMoEError
-from ..export.io import DecoderIO
 from ..model import InfMoEGPT
 
 
 class TorchRunner(BaseRunner):
-    def __init__(self, model: InfMoEGPT, k: Optional[int] = None, noise: str = "quantile", *, past: bool = True,
-                 with_starts: bool = False, name: Optional[str] = None):
+    """Runs model with the inputs and outputs of io (expert budget, noise, cache, starts)."""
+
+    def __init__(self, io: DecoderIO, model: InfMoEGPT, *, name: Optional[str] = None):
         super().__init__(name=name, prefix="torch-runner")
+        if io.config != model.config:
+            raise InfMoEError("the PyTorch model's config differs from the exported model's")
         self.model = model.eval()
-        self.io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts)
+        self.io = io
 
     def activate_impl(self):
         pass

@@ -10,12 +10,9 @@ models to build, the profiles, the manifest and engine selection by K.
 """
 
 import ctypes
-import hashlib
 import importlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -25,10 +22,10 @@ from polygraphy.backend.common import BytesFromPath
 from polygraphy.backend.trt import EngineFromBytes
 from polygraphy.backend.trt import TrtRunner as PolygraphyTrtRunner  # TensorRT itself is imported lazily
 
-from ..errors import InfMoEError
-from ..options import positive_ints
-from ..export.function import DOMAIN, OP_TYPE, OP_VERSION
-from ..export.io import BATCH, PAST, SEQUENCE, TOTAL, DecoderIO, model_io
+from ...contract import BATCH, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, TOTAL, DecoderIO, ExportedModel
+from ...errors import InfMoEError
+from ...files import atomic_write, sha256
+from ...options import positive_ints
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -128,14 +125,13 @@ def parse_ks(text: Optional[str]) -> Optional[List[int]]:
     return None if text is None else positive_ints(text, "--k")
 
 
-def plan_models(models: Sequence, ks: Optional[List[int]]) -> Dict[int, Path]:
-    """K -> ONNX file from exported models (each has one fixed K, read from its metadata)."""
+def plan_models(paths: Sequence, ks: Optional[List[int]]) -> Dict[int, ExportedModel]:
+    """K -> exported model from the given files (each has one fixed K, read from its metadata)."""
     by_k = {}
-    for path in map(Path, models):
-        k = model_io(path).k
-        if k in by_k:
-            raise InfMoEError(f"two models for K={k}: {by_k[k]} and {path}")
-        by_k[k] = path
+    for model in map(ExportedModel.read, paths):
+        if model.k in by_k:
+            raise InfMoEError(f"two models for K={model.k}: {by_k[model.k].path} and {model.path}")
+        by_k[model.k] = model
     if ks is None:
         return dict(sorted(by_k.items()))
     missing = [k for k in ks if k not in by_k]
@@ -144,16 +140,6 @@ def plan_models(models: Sequence, ks: Optional[List[int]]) -> Dict[int, Path]:
                           f"{', '.join(map(str, sorted(by_k)))} (an exported model has one fixed K; "
                           "omit --model to export every K from a checkpoint)")
     return {k: by_k[k] for k in ks}
-
-
-def export_models(checkpoint, ks: List[int], folder: Path, dtype: str, with_starts: bool) -> Dict[int, Path]:
-    """Export the checkpoint once per K without the fallback function (what the parser needs)."""
-    from ..checkpoint import load_checkpoint
-    from ..export import export_onnx
-
-    model = load_checkpoint(checkpoint)
-    return {k: export_onnx(model, folder / f"model_k{k}.onnx", k=k, dtype=dtype, function=False,
-                           with_starts=with_starts) for k in ks}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,40 +195,19 @@ def pick_profile(profiles: List[dict], shapes: Dict[str, Sequence[int]]) -> int:
 # Manifest
 
 
-def file_sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> Path:
-    """Write into a temporary file beside path, then rename: never a half-written file."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
-    return path
-
-
-def engine_entry(k: int, engine_file: str, onnx_path: Path, precision: str, plugin: str, profiles: List[dict],
+def engine_entry(engine_file: str, model: ExportedModel, precision: str, plugin: str, profiles: List[dict],
                  tensorrt_version: str, gpu: str) -> dict:
-    io = model_io(onnx_path)
-    return {"k": k, "file": engine_file, "precision": precision, "plugin": plugin, "profiles": profiles,
-            "tensorrt_version": tensorrt_version, "gpu": gpu,
-            "onnx": {"file": str(onnx_path), "sha256": file_sha256(onnx_path)},
+    io = model.io
+    return {"k": model.k, "file": engine_file, "precision": precision, "plugin": plugin, "profiles": profiles,
+            "tensorrt_version": tensorrt_version, "gpu": gpu, "metadata": model.metadata,
+            "onnx": {"file": str(model.path), "sha256": sha256(model.path)},
             "io": {"inputs": io.input_names, "outputs": io.output_names, "noise": io.noise, "past": io.past,
                    "with_starts": io.with_starts, "dtype": io.dtype}}
 
 
 def write_manifest(folder: Path, engines: List[dict]) -> Path:
     manifest = {"schema_version": SCHEMA_VERSION, "engines": sorted(engines, key=lambda e: e["k"])}
-    return write_atomic(Path(folder) / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+    return atomic_write(Path(folder) / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
 def read_manifest(path) -> dict:
@@ -262,7 +227,7 @@ def read_manifest(path) -> dict:
     if not isinstance(engines, list) or not engines:
         raise InfMoEError(f"{file}: 'engines' must be a non-empty list")
     required = {"k": int, "file": str, "precision": str, "plugin": str, "profiles": list, "tensorrt_version": str,
-                "gpu": str, "onnx": dict, "io": dict}
+                "gpu": str, "metadata": dict, "onnx": dict, "io": dict}
     for index, entry in enumerate(engines):
         for key, kind in required.items():
             if not isinstance(entry, dict) or not isinstance(entry.get(key), kind):
@@ -324,61 +289,26 @@ def build_engine(onnx_path: Path, engine_path: Path, profiles: List[dict], fp16:
     except Exception as error:  # TensorRT and Polygraphy raise plain exceptions
         first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise InfMoEError(f"TensorRT could not build an engine from {onnx_path}: {first}") from error
-    return write_atomic(engine_path, bytes(serialized))
+    return atomic_write(engine_path, bytes(serialized))
 
 
-def build_engines(models: Dict[int, Path], out: Path, fp16: bool, timing_cache: Path, max_batch: int,
+def build_engines(models: Dict[int, ExportedModel], out: Path, fp16: bool, timing_cache: Path, max_batch: int,
                   max_seq: Optional[int], jit: bool) -> Path:
     """One engine per K into out, then the manifest; returns the manifest's path."""
     version = require_tensorrt()
     register_plugin()
     gpu = gpu_name()
     entries = []
-    for k, onnx_path in models.items():
+    for k, model in models.items():
+        onnx_path, io = model.path, model.io
         check_plugin_model(onnx_path)
-        io = model_io(onnx_path)
         profiles = profile_shapes(io, max_batch, io.config.n_positions if max_seq is None else max_seq)
         engine_file = f"model_k{k}.engine"
         build_engine(onnx_path, out / engine_file, profiles, fp16, timing_cache, jit)
-        entries.append(engine_entry(k, engine_file, onnx_path, "fp16" if fp16 else io.dtype,
+        entries.append(engine_entry(engine_file, model, "fp16" if fp16 else io.dtype,
                                     "jit" if jit else "aot", profiles, version, gpu))
         click.echo(f"trt: K={k}: {out / engine_file}", err=True)
     return write_manifest(out, entries)
-
-
-@click.command("trt")
-@click.option("--model", "models", multiple=True, type=click.Path(dir_okay=False),
-              help="Exported ONNX model (one fixed K each; repeatable). Default: export from --checkpoint.")
-@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
-              help="Checkpoint to export per K when no --model is given (default: the bundled model).")
-@click.option("--k", "ks", default=None, help="Expert budgets, e.g. 1,2,4,8 (default: 1,2,4,8, or the models' K).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for engines and manifest.json.")
-@click.option("--fp16", is_flag=True, help="Let TensorRT use float16 (and export float16 models).")
-@click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
-              help="Timing cache shared by all builds (default: OUT/timing.cache).")
-@click.option("--max-batch", default=1, show_default=True, type=int, help="Largest batch the engines accept.")
-@click.option("--max-seq", default=None, type=int, help="Longest sequence (default: the model's n_positions).")
-@click.option("--with-starts", is_flag=True, help="Export models that also output every layer's window starts.")
-@click.option("--jit", is_flag=True, help="Use the plugin's Python (JIT) implementation, for debugging.")
-def trt_command(models, checkpoint, ks, out, fp16, timing_cache, max_batch, max_seq, with_starts, jit):
-    """Build one TensorRT engine per expert budget K, with the ContinuousSliceFFN plugin."""
-    ks = parse_ks(ks)
-    if max_batch < 1 or (max_seq is not None and max_seq < 1):
-        raise InfMoEError("--max-batch and --max-seq must be at least 1")
-    if models and checkpoint:
-        raise InfMoEError("give either --model or --checkpoint, not both")
-    planned = plan_models(models, ks) if models else None
-    require_tensorrt()
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InfMoEError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    if planned is None:
-        planned = export_models(checkpoint, ks or list(DEFAULT_KS), out / "onnx", "fp16" if fp16 else "fp32",
-                                with_starts)
-    cache = Path(timing_cache) if timing_cache else out / "timing.cache"
-    manifest = build_engines(planned, out, fp16, cache, max_batch, max_seq, jit)
-    click.echo(f"trt: manifest {manifest}", err=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,17 +316,26 @@ def trt_command(models, checkpoint, ks, out, fp16, timing_cache, max_batch, max_
 
 
 class TrtRunner(PolygraphyTrtRunner):
-    """Polygraphy's TrtRunner on the engine for K from an engine folder (or its manifest).
+    """Polygraphy's TrtRunner on one engine, with the exported model's DecoderIO.
 
-    Feeds and outputs use the ONNX model's names, like the onnxruntime and PyTorch runners; the
-    optimization profile (prefill or decode) is picked from each feed's shapes.
+    Feeds and outputs use the ONNX model's names, like every other runner; the optimization
+    profile (prefill or decode) is picked from each feed's shapes.
     """
 
-    def __init__(self, engines, k: int, name: Optional[str] = None):
+    def __init__(self, io: DecoderIO, entry: dict, *, name: Optional[str] = None):
+        """entry: the engine's manifest entry (select_engine), which records its profiles."""
         require_tensorrt()
-        self.manifest_entry = select_engine(read_manifest(engines), k)
+        if DecoderIO.from_metadata(entry["metadata"]) != io:
+            raise InfMoEError(f"engine {entry['path']} was built for other inputs and outputs than the ones given")
+        self.io, self.manifest_entry = io, entry
         register_plugin()  # a JIT engine calls back into the Python plugin; an AOT one needs nothing
-        super().__init__(EngineFromBytes(BytesFromPath(self.manifest_entry["path"])), name=name or f"tensorrt-k{k}")
+        super().__init__(EngineFromBytes(BytesFromPath(entry["path"])), name=name or f"tensorrt-k{io.k}")
+
+    @classmethod
+    def from_engines(cls, engines, k: int, *, name: Optional[str] = None) -> "TrtRunner":
+        """The runner of the engine for expert budget k in an engine folder (or its manifest)."""
+        entry = select_engine(read_manifest(engines), k)
+        return cls(DecoderIO.from_metadata(entry["metadata"]), entry, name=name)
 
     def infer_impl(self, feed_dict, *args, **kwargs):
         index = pick_profile(self.manifest_entry["profiles"], {n: a.shape for n, a in feed_dict.items()})

@@ -13,12 +13,13 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import click
 import numpy as np
 
+from ..data import corpus_bytes, read_texts, windows
 from ..errors import InfMoEError
-from ..options import positive_ints
-from . import backends as backends_lib
+from ..evaluate import sampled_noise
+from ..contract import ExportedModel
+from ..runtimes import registry
 
 DEFAULT_ATOL = 1e-3
 DEFAULT_RTOL = 1e-3
@@ -34,8 +35,6 @@ BATCH_SIZE = 4
 def text_windows(texts: Sequence[str], n_positions: int, max_windows: int):
     """Full-length windows of n_positions tokens (so batches need no padding) of the given text
     files, or of the stdlib validation split; at most max_windows of them."""
-    from ..data import corpus_bytes, read_texts, windows
-
     data = read_texts(texts) if texts else corpus_bytes("validation")
     chunks = [w for w in windows(data, n_positions) if len(w) == n_positions][:max_windows]
     if not chunks:
@@ -44,11 +43,9 @@ def text_windows(texts: Sequence[str], n_positions: int, max_windows: int):
     return chunks, label
 
 
-def feeds_for(model_info: "backends_lib.OnnxModel", chunks, seed: int) -> List[OrderedDict]:
+def feeds_for(model_info: ExportedModel, chunks, seed: int) -> List[OrderedDict]:
     """Feed dicts of BATCH_SIZE windows each, prefill from an empty cache; sampled-noise models
     get the eval command's seeded noise (evaluate.sampled_noise), so perplexities match it."""
-    from ..evaluate import sampled_noise
-
     noise = sampled_noise(chunks, model_info.k, seed) if model_info.noise == "sampled" else None
     feeds = []
     for start in range(0, len(chunks), BATCH_SIZE):
@@ -152,7 +149,7 @@ def compare_backend(name: str, reference: List[dict], test: List[dict], ids: Lis
 # Running the backends
 
 
-def run_parity(torch_model, models: List["backends_lib.OnnxModel"], *, backends: Sequence[str],
+def run_parity(torch_model, models: List[ExportedModel], *, backends: Sequence[str],
                engines: Optional[Path] = None, texts: Sequence[str] = (), max_windows: int = DEFAULT_MAX_WINDOWS,
                atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
                min_start_agreement: float = DEFAULT_MIN_START_AGREEMENT, seed: int = 0,
@@ -171,12 +168,12 @@ def run_parity(torch_model, models: List["backends_lib.OnnxModel"], *, backends:
         ids = [feed["input_ids"] for feed in feeds]
         runners, rows = [], {}
         for backend in backends:
-            reason = backends_lib.unavailable(backend, info, engines)
+            reason = registry.unavailable(backend, info, engines)
             if reason:
                 rows[backend] = skipped_row(backend, info, reason)
             else:
-                runners.append(backends_lib.make_runner(backend, info, torch_model, engines))
-        reference = backends_lib.make_runner("torch", info, torch_model, engines)
+                runners.append(registry.make_runner(backend, info, torch_model, engines))
+        reference = registry.make_runner("torch", info, torch_model, engines)
         with G_LOGGER.verbosity(G_LOGGER.ERROR):
             run = Comparator.run([reference] + runners, data_loader=feeds)
         outputs = {name: [dict(iteration.items()) for iteration in iterations] for name, iterations in run.items()}
@@ -210,56 +207,3 @@ def failure_line(parity: dict) -> Optional[str]:
     failed = [f"{r['backend']} (K={r['k']}, {r['noise']}): {r['reason']}"
               for r in parity["results"] if r["status"] == "fail"]
     return ("parity failed for " + "; ".join(failed)) if failed else None
-
-
-# ---------------------------------------------------------------------------------------------
-# The command
-
-
-@click.command("parity")
-@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
-@click.option("--model", "model_paths", type=click.Path(), multiple=True, required=True,
-              help="ONNX model(s) from `infmoe-export onnx`, or a directory of per-K models (repeatable).")
-@click.option("--engines", type=click.Path(), default=None, help="Directory of TensorRT engines (`infmoe-export trt`).")
-@click.option("--text", "texts", type=click.Path(), multiple=True,
-              help="Text file(s) to run on (default: the stdlib validation split).")
-@click.option("--out", type=click.Path(), required=True, help="Directory for report.json / .md / .html.")
-@click.option("--k", "ks", default=None, help="Only these expert budgets, comma-separated (default: every model given).")
-@click.option("--backends", "backend_list", default="ort,ort-fallback,trt", show_default=True,
-              help="Backends to compare against the PyTorch reference.")
-@click.option("--atol", type=click.FloatRange(min=0), default=DEFAULT_ATOL, show_default=True)
-@click.option("--rtol", type=click.FloatRange(min=0), default=DEFAULT_RTOL, show_default=True)
-@click.option("--min-start-agreement", type=click.FloatRange(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
-              show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
-@click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
-              help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
-def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_list, atol, rtol,
-                   min_start_agreement, max_windows, seed):
-    """Parity of every backend against the PyTorch reference (SPEC §5)."""
-    import sys
-
-    from rich.console import Console
-
-    from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
-    from .render import build_report, prepare_out_dir, summary_table, write_report
-    from .timing import environment
-
-    backends = backends_lib.parse_backends(backend_list, allow_torch=False)
-    prepare_out_dir(Path(out), create=False)
-    torch_model = load_checkpoint(checkpoint)
-    models = backends_lib.find_models(model_paths, ks=positive_ints(ks, "--k") if ks else None)
-    backends_lib.check_models(models, torch_model.config)
-    parity = run_parity(torch_model, models, backends=backends, engines=Path(engines) if engines else None,
-                        texts=texts, max_windows=max_windows, atol=atol, rtol=rtol,
-                        min_start_agreement=min_start_agreement, seed=seed)
-    report = build_report("parity", "infmoe-export " + " ".join(sys.argv[1:]),
-                          str(checkpoint or DEFAULT_CHECKPOINT), torch_model.config.to_dict(), environment(),
-                          parity=parity)
-    paths = write_report(report, Path(out))
-    console = Console()
-    console.print(summary_table(report))
-    console.print(f"report: {paths['html']}", markup=False)
-    failure = failure_line(parity)
-    if failure:
-        raise InfMoEError(failure)

@@ -6,10 +6,12 @@ from pathlib import Path
 import click
 
 from ..checkpoint import load_checkpoint
+from ..contract import DTYPES
 from ..errors import InfMoEError
+from ..export import DEFAULT_OPSET, export_onnx
 from ..model import NOISE_MODES
-from .exporter import DEFAULT_OPSET, export_onnx
-from .io import DTYPES
+from ..runtimes import ort_kernel
+from ..verify.validate import validate_onnx
 
 
 @click.command("onnx")
@@ -33,25 +35,21 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:
         # Without the function only the compiled kernel can run the model.
-        from ..runtimes.onnxruntime import register_kernel
-        import onnxruntime
-
-        if not register_kernel(onnxruntime.SessionOptions()):
-            raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not built; "
-                              "build plugins/onnxruntime or pass --no-validate")
+        if ort_kernel.custom_op_library() is None:
+            raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not installed; "
+                              "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
-    path = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, dtype=dtype,
+    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, dtype=dtype,
                        function=not no_function, with_starts=with_starts)
+    path = exported.path
     size = sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.exists())
     click.echo(f"exported {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
     if no_validate:
         return
     from rich.console import Console
 
-    from .validate import validate_onnx
-
-    report = validate_onnx(model, path, atol=atol, raise_on_failure=False)
+    report = validate_onnx(model, exported, atol=atol, raise_on_failure=False)
     Console(stderr=True, width=120).print(report.table())
     if not report.passed:
         raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")

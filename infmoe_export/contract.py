@@ -1,4 +1,5 @@
-"""The exported decoder's inputs and outputs, named in one place (like Optimum's OnnxConfig).
+"""The contract every layer shares: the op's identity, the exported decoder's inputs and outputs
+(named in one place, like Optimum's OnnxConfig), and the metadata an exported file carries.
 
 Names follow Optimum's text-generation-with-past decoders, so one graph serves prefill
 (past_sequence = 0) and decode:
@@ -11,21 +12,25 @@ Names follow Optimum's text-generation-with-past decoders, so one graph serves p
              present.{i}.key / .value [batch, n_head, past_sequence + sequence, head_dim] (past only)
              expert_starts.{i} [batch, sequence, K] int64                                (with starts only)
 
-The exporter, the validator, the PyTorch and onnxruntime runners and generation all use this
-class, so the names cannot drift apart.
+The exporter, the validator, every runner and generation use DecoderIO, so the names cannot
+drift apart; ExportedModel is what the exporter returns and what runners and reports take.
 """
 
 import json
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import onnx
 
-from ..errors import InfMoEError
-from ..model import NOISE_MODES, InfMoEConfig, Output
+from .errors import InfMoEError
+from .model import NOISE_MODES, InfMoEConfig, Output
+
+# The custom op (SPEC §4): TensorRT finds its plugin by these, onnxruntime its kernel.
+DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
 # The precision of the expert part (the FFN weights and the op); see exporter.py.
@@ -137,7 +142,7 @@ class DecoderIO:
 
     def metadata(self, opset: int, has_function: bool) -> Dict[str, str]:
         """The model's metadata_props: everything a runtime or report needs, no side files."""
-        from .. import __version__
+        from . import __version__
 
         return {"infmoe.config": json.dumps(self.config.to_dict(), sort_keys=True), "infmoe.k": str(self.k),
                 "infmoe.noise": self.noise, "infmoe.past": str(int(self.past)),
@@ -166,6 +171,38 @@ def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
 
-def model_io(path) -> DecoderIO:
-    """The DecoderIO an exported file was made with, from its metadata."""
-    return DecoderIO.from_metadata(read_metadata(path))
+@dataclass(frozen=True)
+class ExportedModel:
+    """An exported file, the DecoderIO it was made with and its metadata, read once."""
+    path: Path
+    io: DecoderIO
+    metadata: Dict[str, str] = field(repr=False, compare=False)
+
+    @classmethod
+    def read(cls, path: Union[str, os.PathLike]) -> "ExportedModel":
+        metadata = read_metadata(path)
+        return cls(Path(path), DecoderIO.from_metadata(metadata), metadata)
+
+    @property
+    def k(self) -> int:
+        return self.io.k
+
+    @property
+    def noise(self) -> str:
+        return self.io.noise
+
+    @property
+    def has_function(self) -> bool:
+        return self.metadata.get("infmoe.has_function") == "1"
+
+    def feed(self, input_ids: np.ndarray, *, past: Optional[dict] = None, expert_noise=None,
+             seed: int = 0) -> "OrderedDict":
+        """A feed of input_ids [B, T] with an all-ones attention mask, the given cache (a dict of
+        present.{i}.* arrays) or an empty one, and expert noise for a sampled-noise model
+        (seeded N(0, 1) unless given)."""
+        B, T = input_ids.shape
+        past_len = 0 if past is None else past["present.0.key"].shape[2]
+        cache = None if past is None else [past[n.replace("past_key_values", "present")] for n in self.io.past_names]
+        if self.noise == "sampled" and expert_noise is None:
+            expert_noise = np.random.default_rng(seed).standard_normal((B, T, self.k))
+        return self.io.feed(input_ids, np.ones((B, past_len + T), dtype=np.int64), cache, expert_noise)

@@ -1,5 +1,6 @@
-"""`infmoe-export pipeline`, the main job: checkpoint → one ONNX model per K → validation →
-kernel → TensorRT engines (when TensorRT is installed) → parity → latency → reports.
+"""`infmoe-export pipeline`, the main job: checkpoint → one ONNX model per K and noise mode →
+validation (with the installed kernel, else the fallback function) → TensorRT engines (when
+TensorRT is installed) → parity → latency → reports.
 
 Every model is exported with its expert_starts outputs (SPEC §5's start agreement needs them),
 in both noise modes, so that the trade-off shows perplexity over K for each. Latency is measured
@@ -14,9 +15,21 @@ from pathlib import Path
 
 import click
 
-from .errors import InfMoEError
-from .options import positive_ints
-from .model import NOISE_MODES
+import torch
+from rich.console import Console
+
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..errors import InfMoEError
+from ..export import export_many
+from ..model import NOISE_MODES
+from ..options import positive_ints
+from ..report.bench import DEFAULT_PAST, run_bench
+from ..report.render import build_report, prepare_out_dir, summary_table, write_report
+from ..report.timing import environment
+from ..runtimes import ort_kernel
+from ..runtimes.tensorrt import build_engines, tensorrt_available
+from ..verify.parity import failure_line, run_parity
+from ..verify.validate import validate_onnx
 
 DEFAULT_OUT = Path("runs") / "pipeline"
 BATCHES, PREFILL = (1, 4), 128
@@ -83,19 +96,6 @@ class Stages:
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
 def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup, threads):
     """The main job: export, validate, parity, latency, reports."""
-    import torch
-    from rich.console import Console
-
-    from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
-    from .export import export_onnx, validate_onnx
-    from .report import backends as backends_lib
-    from .report.bench import DEFAULT_PAST, run_bench
-    from .report.parity import failure_line, run_parity
-    from .report.render import build_report, prepare_out_dir, summary_table, write_report
-    from .report.timing import environment
-    from .runtimes import ort_kernel
-    from .runtimes.tensorrt import tensorrt_available
-
     ks = positive_ints(ks, "--k")
     noises = [n.strip() for n in noise_list.split(",") if n.strip()]
     if not noises or any(n not in NOISE_MODES for n in noises):
@@ -109,33 +109,21 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
     models_dir.mkdir(exist_ok=True)
     models = []
     engines = None
+    kernel = ort_kernel.custom_op_library() is not None
 
     with Stages(console) as stages:
         def export(advance):
-            for noise in noises:
-                for k in ks:
-                    advance(f"K={k} {noise}")
-                    path = export_onnx(torch_model, models_dir / f"model_k{k}_{noise}.onnx", k=k, noise=noise,
-                                       with_starts=True)
-                    models.append(backends_lib.read_model(path))
+            models.extend(export_many(torch_model, models_dir, ks, noises, with_starts=True, progress=advance))
             return "ok", f"{len(models)} models in {models_dir}"
 
         def validate(advance):
             for model in models:
                 advance(model.path.name)
-                validate_onnx(torch_model, model.path)
-            return "ok", None
-
-        def kernel(advance):
-            advance("looking for the library")
-            if ort_kernel.custom_op_library() is not None:
+                validate_onnx(torch_model, model, kernel=kernel)
+            if kernel:
                 return "ok", None
-            advance("building plugins/onnxruntime")
-            try:
-                ort_kernel.build_kernel()
-            except InfMoEError as error:
-                return "skipped", f"{error}; onnxruntime runs the fallback function only"
-            return "ok", "built"
+            return "ok", ("the onnxruntime kernel is not installed: validated on the fallback function, "
+                          "the ort backend is skipped (docs/onnxruntime-kernel.md)")
 
         def tensorrt(advance):
             nonlocal engines
@@ -143,11 +131,9 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
             if not tensorrt_available():
                 return "skipped", ("TensorRT is not installed, no engines built "
                                    "(pip install 'infmoe-export[tensorrt]' on a machine with an NVIDIA GPU)")
-            from .runtimes.tensorrt import build_engines, export_models
-
             advance("exporting without the fallback function")
             folder = out / "engines"
-            planned = export_models(checkpoint, ks, folder / "onnx", "fp32", with_starts=True)
+            planned = {m.k: m for m in export_many(torch_model, folder / "onnx", ks, function=False, with_starts=True)}
             advance("building engines")
             engines = build_engines(planned, folder, fp16=False, timing_cache=folder / "timing.cache",
                                     max_batch=max(BATCHES), max_seq=None, jit=False)
@@ -176,7 +162,6 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
         n_models = len(ks) * len(noises)
         stages.run("export", n_models, export)
         stages.run("validate", n_models, validate)
-        stages.run("kernel", 2, kernel)
         stages.run("tensorrt", 2, tensorrt)
         stages.run("parity", n_models, parity)
         stages.run("latency", 4 * n_models, latency)

@@ -32,10 +32,11 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from ..contract import DOMAIN, OP_TYPE, DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..model import InfMoEGPT
-from .function import DOMAIN, OP_TYPE
-from .io import DecoderIO, model_io
+from ..runtimes.ort import create_session
+from ..runtimes.torch_runner import TorchRunner
 
 # fp32: float32 rounding through the layers is ~1e-6; 1e-4 is the project's bound. fp16 (the
 # expert part, docs/export.md): 11-bit products reach ~1e-2 on logits of order 1-10.
@@ -144,16 +145,14 @@ def _check_dims(report: ValidationReport, session, io: DecoderIO):
             report.problems.append(f"{arg.name} has dims {arg.shape}, expected {wanted[arg.name]}")
 
 
-def validate_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, atol: Optional[float] = None,
+def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathLike], *, atol: Optional[float] = None,
                   kernel: bool = True, providers=None, sequence: int = 7, seed: int = 0,
                   raise_on_failure: bool = True) -> ValidationReport:
     """Check path against model (see module doc). Raises InfMoEError on failure unless
     raise_on_failure is False; the report's table() renders the numbers either way."""
-    from ..runtimes.onnxruntime import create_session
-    from ..runtimes.torch_runner import TorchRunner
-
-    path = Path(path)
-    io = model_io(path)
+    if not isinstance(exported, ExportedModel):
+        exported = ExportedModel.read(exported)
+    path, io = exported.path, exported.io
     if io.config != model.config:
         raise InfMoEError(f"{path} was exported from a different model config than the one given")
     report = ValidationReport(path, DEFAULT_ATOL[io.dtype] if atol is None else atol)
@@ -164,10 +163,10 @@ def validate_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, atol: Opti
         for layer, block in enumerate(model.h)]
     counts = []
     try:
-        session = create_session(copy or path, kernel=kernel, providers=providers)
+        session = create_session(copy or exported, kernel=kernel, providers=providers)
         _check_dims(report, session, io)
         names = [o.name for o in session.get_outputs()]
-        reference = TorchRunner(model, io.k, io.noise, past=io.past, with_starts=True)
+        reference = TorchRunner(DecoderIO(io.config, io.k, io.noise, io.past, with_starts=True), model)
 
         def check(step, feed):
             actual = dict(zip(names, session.run(None, dict(feed))))

@@ -9,6 +9,8 @@ from typing import Optional
 
 import click
 
+from ..runtimes.ort_kernel import custom_op_library
+
 
 def _version(module_name: str) -> Optional[str]:
     """The module's version, or None when it is not installed or fails to import."""
@@ -46,12 +48,7 @@ def report() -> dict:
                                "providers": onnxruntime.get_available_providers()}
     except Exception:
         info["onnxruntime"] = None
-    try:
-        from .runtimes.ort_kernel import custom_op_library
-
-        library = custom_op_library()
-    except ImportError:  # the runtimes package is optional in a partial install
-        library = None
+    library = custom_op_library()
     info["ort_custom_op_library"] = str(library) if library is not None else None
     info["tensorrt"] = _version("tensorrt")
     info["polygraphy"] = _version("polygraphy")

@@ -1,0 +1,67 @@
+"""`infmoe-export bench`: latency, throughput and memory per backend and K."""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..errors import InfMoEError
+from ..export import export_many
+from ..files import atomic_write
+from ..options import positive_ints
+from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
+from ..report.render import build_report, rich_table, tables, validate_report
+from ..report.timing import environment
+from ..runtimes import registry
+
+
+@click.command("bench")
+@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
+@click.option("--model", "model_paths", type=click.Path(), multiple=True,
+              help="ONNX model(s) or a directory of per-K models (default: export the checkpoint per K).")
+@click.option("--engines", type=click.Path(), default=None, help="Directory of TensorRT engines (`infmoe-export trt`).")
+@click.option("--backends", "backend_list", default="torch,ort,ort-fallback,trt", show_default=True)
+@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--noise", type=click.Choice(("quantile", "sampled")), default="quantile", show_default=True,
+              help="Noise mode of the models exported when no --model is given.")
+@click.option("--batch", "batch_list", default="1,4", show_default=True, help="Batch sizes, comma-separated.")
+@click.option("--seq", "seq_list", default="1,128", show_default=True,
+              help="Sequence lengths: 1 = one decode step with a KV cache of --past tokens, >1 = prefill.")
+@click.option("--past", type=click.IntRange(min=1), default=DEFAULT_PAST, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
+@click.option("--iters", type=click.IntRange(min=1), default=30, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of torch and onnxruntime (default: their own defaults).")
+@click.option("--json", "json_path", type=click.Path(), default=None, help="Write the results (report schema) here.")
+def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, batch_list, seq_list, past, warmup,
+                  iters, threads, json_path):
+    """Latency, throughput and memory per backend and K."""
+    backends = registry.parse_backends(backend_list)
+    ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
+    if json_path and Path(json_path).is_dir():
+        raise InfMoEError(f"--json {json_path} is a directory")
+    torch_model = load_checkpoint(checkpoint)
+    check_shapes(torch_model.config, seqs, past)
+    if threads:
+        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="infmoe-bench-") as scratch:
+        if model_paths:
+            models = registry.find_models(model_paths, ks=ks)
+            registry.check_models(models, torch_model.config)
+        else:
+            models = export_many(torch_model, scratch, ks, (noise,))
+        bench = run_bench(torch_model, models, backends=backends, batches=batches, seqs=seqs, past=past,
+                          warmup=warmup, iters=iters, engines=Path(engines) if engines else None, threads=threads)
+    report = build_report("bench", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
+                          torch_model.config.to_dict(), environment(threads), bench=bench)
+    validate_report(report)
+    console = Console()
+    console.print(rich_table(next(t for t in tables(report) if t.title == "Latency")))
+    if json_path:
+        atomic_write(Path(json_path), json.dumps(report, indent=2) + "\n")
+        console.print(f"results: {json_path}", markup=False)

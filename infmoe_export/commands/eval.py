@@ -1,0 +1,51 @@
+"""`infmoe-export eval`: perplexity of a checkpoint per expert budget K."""
+
+import json
+import math
+
+import click
+
+from ..checkpoint import load_checkpoint
+from ..data import corpus_bytes, read_texts, windows
+from ..errors import InfMoEError
+from ..evaluate import window_nll
+from ..model import NOISE_MODES
+from ..options import positive_ints, set_threads
+
+
+@click.command("eval")
+@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
+@click.option("--text", "texts", type=click.Path(), multiple=True,
+              help="Text file(s) to score, concatenated (default: the stdlib validation split).")
+@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per K.")
+def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
+    """Perplexity of a checkpoint per expert budget K."""
+    ks = positive_ints(ks, "--k")
+    set_threads()
+    model = load_checkpoint(checkpoint)
+    data = read_texts(texts) if texts else corpus_bytes("validation")
+    chunks = windows(data, model.config.n_positions)
+    records = []
+    for k in ks:
+        total, count = window_nll(model, chunks, k, noise, seed, batch_size)
+        if count == 0:
+            raise InfMoEError("text too short: need at least 2 bytes to predict one")
+        records.append({"k": k, "noise": noise, "seed": seed if noise == "sampled" else None,
+                        "nll_per_byte": total / count, "perplexity": math.exp(total / count),
+                        "bits_per_byte": total / count / math.log(2), "predicted_bytes": count})
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"perplexity ({noise} noise, {len(data)} bytes, {len(chunks)} windows)")
+    for column in ("K", "perplexity", "NLL/byte (nats)", "bits/byte"):
+        table.add_column(column, justify="right")
+    for r in records:
+        table.add_row(str(r["k"]), f"{r['perplexity']:.4f}", f"{r['nll_per_byte']:.4f}", f"{r['bits_per_byte']:.4f}")
+    Console().print(table)

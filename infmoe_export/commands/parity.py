@@ -1,0 +1,57 @@
+"""`infmoe-export parity`: SPEC §5 parity of exported models in every backend, with reports."""
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..errors import InfMoEError
+from ..options import positive_ints
+from ..report.render import build_report, prepare_out_dir, summary_table, write_report
+from ..report.timing import environment
+from ..runtimes import registry
+from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_START_AGREEMENT, DEFAULT_RTOL,
+                             failure_line, run_parity)
+
+
+@click.command("parity")
+@click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
+@click.option("--model", "model_paths", type=click.Path(), multiple=True, required=True,
+              help="ONNX model(s) from `infmoe-export onnx`, or a directory of per-K models (repeatable).")
+@click.option("--engines", type=click.Path(), default=None, help="Directory of TensorRT engines (`infmoe-export trt`).")
+@click.option("--text", "texts", type=click.Path(), multiple=True,
+              help="Text file(s) to run on (default: the stdlib validation split).")
+@click.option("--out", type=click.Path(), required=True, help="Directory for report.json / .md / .html.")
+@click.option("--k", "ks", default=None, help="Only these expert budgets, comma-separated (default: every model given).")
+@click.option("--backends", "backend_list", default="ort,ort-fallback,trt", show_default=True,
+              help="Backends to compare against the PyTorch reference.")
+@click.option("--atol", type=click.FloatRange(min=0), default=DEFAULT_ATOL, show_default=True)
+@click.option("--rtol", type=click.FloatRange(min=0), default=DEFAULT_RTOL, show_default=True)
+@click.option("--min-start-agreement", type=click.FloatRange(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
+              show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
+@click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
+              help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
+def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_list, atol, rtol,
+                   min_start_agreement, max_windows, seed):
+    """Parity of every backend against the PyTorch reference (SPEC §5)."""
+    backends = registry.parse_backends(backend_list, allow_torch=False)
+    prepare_out_dir(Path(out), create=False)
+    torch_model = load_checkpoint(checkpoint)
+    models = registry.find_models(model_paths, ks=positive_ints(ks, "--k") if ks else None)
+    registry.check_models(models, torch_model.config)
+    parity = run_parity(torch_model, models, backends=backends, engines=Path(engines) if engines else None,
+                        texts=texts, max_windows=max_windows, atol=atol, rtol=rtol,
+                        min_start_agreement=min_start_agreement, seed=seed)
+    report = build_report("parity", "infmoe-export " + " ".join(sys.argv[1:]),
+                          str(checkpoint or DEFAULT_CHECKPOINT), torch_model.config.to_dict(), environment(),
+                          parity=parity)
+    paths = write_report(report, Path(out))
+    console = Console()
+    console.print(summary_table(report))
+    console.print(f"report: {paths['html']}", markup=False)
+    failure = failure_line(parity)
+    if failure:
+        raise InfMoEError(failure)

@@ -1,0 +1,91 @@
+"""`infmoe-export run`: generate text in onnxruntime, streaming it; the bundled model is exported
+once into a cache."""
+
+import codecs
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from .. import __version__
+from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
+from ..contract import ExportedModel
+from ..errors import InfMoEError
+from ..export import DEFAULT_OPSET, export_onnx
+from ..files import sha256
+from ..runtimes.generate import generate
+from ..runtimes.ort import OrtRunner
+from ..verify.validate import validate_onnx
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "infmoe-export"
+
+
+def cached_export(checkpoint: Optional[Path] = None, k: Optional[int] = None) -> ExportedModel:
+    """The checkpoint exported with default options, from the cache or exported and validated now.
+    Keyed by a hash of the checkpoint files and the options, so a new checkpoint or exporter
+    version gets a new entry. An entry is exported and validated in a staging folder and renamed
+    into place only then, so an interrupted or failed run never leaves a model in the cache."""
+    checkpoint = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    model = load_checkpoint(checkpoint)  # validates it, and names the problem if it is not one
+    key = sha256(checkpoint / CONFIG_FILE, checkpoint / WEIGHTS_FILE,
+                 prefix=f"{__version__} k={k} opset={DEFAULT_OPSET}".encode())
+    entry = cache_dir() / key[:20]
+    if not (entry / "model.onnx").is_file():
+        click.echo(f"exporting {checkpoint} into the cache {entry} (once)", err=True)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        try:
+            validate_onnx(model, export_onnx(model, staging / "model.onnx", k=k).path)
+            os.rename(staging, entry)  # fails if another process published it first: keep theirs
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return ExportedModel.read(entry / "model.onnx")
+
+
+@click.command("run")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="An exported .onnx (default: the bundled model, exported once into the cache).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Without --model: the checkpoint to export (default: the bundled model).")
+@click.option("--k", type=int, default=None, help="Without --model: the expert budget to export.")
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--greedy", is_flag=True, help="Always the most likely byte (the default without --temperature/--top-k).")
+@click.option("--temperature", type=float, default=None, help="Sample at this temperature.")
+@click.option("--top-k", type=int, default=None, help="Sample among the k most likely bytes.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds sampling and sampled expert noise.")
+@click.option("--no-kernel", is_flag=True, help="Run ContinuousSliceFFN on the fallback function.")
+def run_command(model_path, checkpoint, k, prompt, max_new_tokens, greedy, temperature, top_k, seed, no_kernel):
+    """Generate text from an ONNX model in onnxruntime, streaming it as it comes."""
+    if greedy and (temperature is not None or top_k is not None):
+        raise InfMoEError("--greedy cannot be combined with --temperature or --top-k")
+    if max_new_tokens < 0:
+        raise InfMoEError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if k is not None and k < 1:
+        raise InfMoEError(f"--k must be a positive integer, got {k}")
+    if model_path is not None and (checkpoint is not None or k is not None):
+        raise InfMoEError("--checkpoint and --k choose what to export; they cannot be combined with --model")
+    sampling = temperature is not None or top_k is not None
+    model = ExportedModel.read(model_path) if model_path is not None else cached_export(checkpoint, k)
+    runner = OrtRunner(model.io, model, kernel=not no_kernel)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = sys.stdout
+
+    def emit(token: int):
+        out.write(decoder.decode(bytes([token])))
+        out.flush()
+
+    out.write(prompt)
+    generate(runner, prompt.encode("utf-8"), max_new_tokens, greedy=not sampling,
+             temperature=1.0 if temperature is None else temperature, top_k=top_k, seed=seed, on_token=emit)
+    out.write(decoder.decode(b"", final=True) + "\n")
+    out.flush()
