@@ -32,12 +32,6 @@ def encode(text: Union[str, bytes]) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
 
 
-def decode(ids) -> str:
-    """Inverse of encode; ids >= 256 (a larger vocab) and invalid UTF-8 decode as U+FFFD."""
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    return bytes(i if 0 <= i < 256 else 0xFF for i in ids).decode("utf-8", errors="replace")
-
-
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 

@@ -6,7 +6,7 @@ non-overlapping windows of n_positions bytes (the last one shorter); each window
 """
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,20 @@ def batches(windows: Sequence[torch.Tensor], batch_size: int):
         yield run
 
 
+def next_token_nll(logits, ids) -> Tuple[float, int]:
+    """(sum of next-token NLL in nats, predicted tokens) of logits [B, T, V] for ids [B, T]:
+    each row predicts its 2nd..last token. Computed in float64, numpy or torch input alike."""
+    logits, ids = torch.as_tensor(logits).double(), torch.as_tensor(ids)
+    total = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+    return total, ids[:, 1:].numel()
+
+
+def perplexity_of_logits(logits: Sequence, ids: Sequence) -> float:
+    """exp(mean next-token NLL) over batches of logits from any backend (parity reports)."""
+    total, count = map(sum, zip(*(next_token_nll(lg, t) for lg, t in zip(logits, ids))))
+    return math.exp(total / count)
+
+
 @torch.no_grad()
 def window_nll(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: int, noise: str = "quantile",
                seed: int = 0, batch_size: int = 16):
@@ -53,8 +67,8 @@ def window_nll(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: int, noise:
             continue  # a one-byte window predicts nothing
         expert_noise = torch.stack([eps[i] for i in run]) if eps is not None else None
         logits = model(ids, k=k, noise=noise, expert_noise=expert_noise).logits
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
-        count += ids[:, 1:].numel()
+        nll, predicted = next_token_nll(logits, ids)
+        total, count = total + nll, count + predicted
     model.train(was_training)
     return total, count
 

@@ -192,9 +192,6 @@ class InfMoE(nn.Module):
         # Soft window edge (in hidden units) for the training relaxation.
         self.edge_width = max(1.0, config.slice_width / 16)
 
-    def starts(self, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-        return window_starts(self.router(x, eps), self.ffn_hidden, self.slice_width)
-
     def forward(self, x: torch.Tensor, eps: torch.Tensor):
         """Returns (y, starts [..., K] int64)."""
         z = self.router(x, eps)

@@ -117,16 +117,16 @@ def sampled_k1_nopast(tiny_model, onnx_dir):
     return export_onnx(tiny_model, onnx_dir / "sampled_k1.onnx", k=1, noise="sampled", past=False, with_starts=True).path
 
 
-def _left_padded_feed(io, batch=2, sequence=None, seed=0):
-    sequence = sequence or io.config.n_positions  # the longest sequence the model takes
-    return io.dummy_inputs(batch=batch, sequence=sequence, past_sequence=0, left_pad=5, seed=seed)
+def _left_padded_feed(decoder_io, batch=2, sequence=None, seed=0):
+    sequence = sequence or decoder_io.config.n_positions  # the longest sequence the model takes
+    return decoder_io.dummy_inputs(batch=batch, sequence=sequence, past_sequence=0, left_pad=5, seed=seed)
 
 
-def _reference(model, io, feed):
+def _reference(model, decoder_io, feed):
     noise = torch.from_numpy(feed["expert_noise"]) if "expert_noise" in feed else None
     with torch.no_grad():
-        out = model(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=io.k,
-                    noise=io.noise, expert_noise=noise, return_starts=True)
+        out = model(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=decoder_io.k,
+                    noise=decoder_io.noise, expert_noise=noise, return_starts=True)
     return out
 
 
@@ -135,7 +135,7 @@ def test_fallback_matches_reference(request, tiny_model, which):
     """Left-padded batch 2 at full length: logits within 1e-4 over tokens whose starts agree,
     >= 99.9% of starts equal; then validate_onnx (prefill + decode) passes."""
     path = request.getfixturevalue(which)
-    io = ExportedModel.read(path).io
+    decoder_io = ExportedModel.read(path).io
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
     session = create_session(path, kernel=False)
     # A copy with every layer's starts as outputs (the quantile model does not have them).
@@ -143,11 +143,11 @@ def test_fallback_matches_reference(request, tiny_model, which):
     assert report.passed and report.start_agreement >= 0.999
     assert all(row.max_abs_agreeing <= 1e-4 for row in report.outputs)
 
-    feed = _left_padded_feed(io)
+    feed = _left_padded_feed(decoder_io)
     logits = dict(zip([o.name for o in session.get_outputs()], session.run(None, dict(feed))))["logits"]
-    expected = _reference(tiny_model, io, feed)
-    if io.with_starts:
-        actual_starts = session.run([f"expert_starts.{i}" for i in range(io.config.n_layer)], dict(feed))
+    expected = _reference(tiny_model, decoder_io, feed)
+    if decoder_io.with_starts:
+        actual_starts = session.run([f"expert_starts.{i}" for i in range(decoder_io.config.n_layer)], dict(feed))
         agree = np.stack([a == s.numpy() for a, s in zip(actual_starts, expected.starts)]).all(axis=(0, -1))
         assert agree.mean() >= 0.999
     else:
@@ -213,17 +213,17 @@ def test_graph_structure(quantile_k3, tiny_model):
 def test_decode_with_past_equals_full_forward(quantile_k3):
     """Prefill 6 tokens, then 4 decode steps feeding present -> past: the logits of every real
     token equal those of one pass over all 10 tokens (a left-padded row included)."""
-    io = ExportedModel.read(quantile_k3).io
+    decoder_io = ExportedModel.read(quantile_k3).io
     session = create_session(quantile_k3, kernel=False)
     names = [o.name for o in session.get_outputs()]
-    full = io.dummy_inputs(batch=2, sequence=10, past_sequence=0, left_pad=3, seed=5)
+    full = decoder_io.dummy_inputs(batch=2, sequence=10, past_sequence=0, left_pad=3, seed=5)
     ids, mask = full["input_ids"], full["attention_mask"]
     expected = session.run(["logits"], dict(full))[0]
-    out = dict(zip(names, session.run(None, dict(io.feed(ids[:, :6], mask[:, :6])))))
+    out = dict(zip(names, session.run(None, dict(decoder_io.feed(ids[:, :6], mask[:, :6])))))
     steps = [out["logits"]]
     for t in range(6, 10):
-        past = [out[n.replace("past_key_values", "present")] for n in io.past_names]
-        out = dict(zip(names, session.run(None, dict(io.feed(ids[:, t:t + 1], mask[:, :t + 1], past)))))
+        past = [out[n.replace("past_key_values", "present")] for n in decoder_io.past_names]
+        out = dict(zip(names, session.run(None, dict(decoder_io.feed(ids[:, t:t + 1], mask[:, :t + 1], past)))))
         steps.append(out["logits"])
     # Padded positions attend to nothing, so their (unused) logits depend on the step; skip them.
     real = mask.astype(bool)
@@ -239,8 +239,8 @@ def test_sampled_noise_is_an_input(sampled_k1_nopast, tiny_model):
     assert outputs == ["logits"] + [f"expert_starts.{i}" for i in range(tiny_model.config.n_layer)]
     # Different noise, different windows: the input is really used.
     session = create_session(sampled_k1_nopast, kernel=False)
-    io = ExportedModel.read(sampled_k1_nopast).io
-    feed = dict(io.dummy_inputs(sequence=9, past_sequence=0, seed=1))
+    decoder_io = ExportedModel.read(sampled_k1_nopast).io
+    feed = dict(decoder_io.dummy_inputs(sequence=9, past_sequence=0, seed=1))
     first = session.run(["expert_starts.0"], feed)[0]
     feed["expert_noise"] = -feed["expert_noise"]
     assert (session.run(["expert_starts.0"], feed)[0] != first).any()

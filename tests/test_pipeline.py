@@ -49,7 +49,7 @@ def test_pipeline_report_content(run):
     report = json.loads((out / "report.json").read_text())
     validate_report(report)
     assert report["kind"] == "pipeline" and report["passed"] and report["failures"] == []
-    assert [s["name"] for s in report["stages"]] == ["export", "validate", "kernel", "tensorrt", "parity", "latency"]
+    assert [s["name"] for s in report["stages"]] == ["export", "validate", "tensorrt", "parity", "latency"]
     assert all(s["status"] in ("ok", "skipped") and s["seconds"] >= 0 for s in report["stages"])
     parity = [r for r in report["parity"]["results"] if r["status"] not in ("reference", "skipped")]
     assert {(r["backend"], r["noise"]) for r in parity} >= {("ort-fallback", "quantile"), ("ort-fallback", "sampled")}

@@ -18,6 +18,7 @@ from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
 from infmoe_export.verify import parity as parity_lib
 from infmoe_export.contract import ExportedModel
+from infmoe_export.evaluate import perplexity_of_logits
 from infmoe_export.runtimes.registry import find_models
 from infmoe_export.report.bench import run_bench
 from infmoe_export.report.render import build_report, load_schema, validate_report, write_report
@@ -60,7 +61,7 @@ def setup(tmp_path_factory):
 def test_perplexity_of_uniform_logits_is_vocab_size():
     logits = np.zeros((2, 6, 37), dtype=np.float32)
     ids = np.random.default_rng(0).integers(0, 37, (2, 6))
-    assert parity_lib.perplexity([logits], [ids]) == pytest.approx(37.0)
+    assert perplexity_of_logits([logits], [ids]) == pytest.approx(37.0)
 
 
 def test_perplexity_matches_evaluate(setup):

@@ -38,22 +38,22 @@ def sampled_k2(tiny_model, tmp_path_factory):
 
 
 def test_runners_share_io_and_agree_in_polygraphy(tiny_model, sampled_k2):
-    io = ExportedModel.read(sampled_k2).io
-    torch_runner = TorchRunner(io, tiny_model)
-    ort_runner = OrtRunner(io, sampled_k2, kernel=False)
+    decoder_io = ExportedModel.read(sampled_k2).io
+    torch_runner = TorchRunner(decoder_io, tiny_model)
+    ort_runner = OrtRunner(decoder_io, sampled_k2, kernel=False)
     with torch_runner, ort_runner:
         torch_meta = torch_runner.get_input_metadata(use_numpy_dtypes=False)
         ort_meta = ort_runner.get_input_metadata(use_numpy_dtypes=False)
-        assert list(torch_meta) == list(ort_meta) == io.input_names
-        for name in io.input_names:
+        assert list(torch_meta) == list(ort_meta) == decoder_io.input_names
+        for name in decoder_io.input_names:
             assert torch_meta[name].dtype == ort_meta[name].dtype
             assert list(torch_meta[name].shape) == list(ort_meta[name].shape)
-    feeds = [io.dummy_inputs(batch=2, sequence=9, past_sequence=0, left_pad=3, seed=1),
-             io.dummy_inputs(batch=1, sequence=1, past_sequence=6, left_pad=0, seed=2)]
+    feeds = [decoder_io.dummy_inputs(batch=2, sequence=9, past_sequence=0, left_pad=3, seed=1),
+             decoder_io.dummy_inputs(batch=1, sequence=1, past_sequence=6, left_pad=0, seed=2)]
     results = Comparator.run([torch_runner, ort_runner], data_loader=feeds)
     for outputs in results.values():
         for output in outputs:
-            assert list(output) == io.output_names
+            assert list(output) == decoder_io.output_names
     accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=1e-4, rtol=0))
     assert bool(accuracy)
 
@@ -68,8 +68,8 @@ def test_default_providers():
 def test_registered_kernel_takes_precedence_over_the_function(sampled_k2, tmp_path):
     """Profiling shows which implementation ran: the kernel's single ContinuousSliceFFN node,
     or the function's inlined body (ReduceMean, Tanh, ... appear only there)."""
-    io = ExportedModel.read(sampled_k2).io
-    feed = dict(io.dummy_inputs(batch=2, sequence=8, past_sequence=0, seed=3))
+    decoder_io = ExportedModel.read(sampled_k2).io
+    feed = dict(decoder_io.dummy_inputs(batch=2, sequence=8, past_sequence=0, seed=3))
     logits, ran = {}, {}
     for kernel in (True, False):
         options = ort.SessionOptions()
@@ -102,9 +102,9 @@ def test_generation_is_the_same_in_torch_and_onnxruntime(tiny_model, sampled_k2,
     prompt = "αβ x".encode("utf-8")
     kwargs = dict(greedy=greedy, temperature=0.9, top_k=40, seed=5)
     new = TINY["n_positions"] - len(prompt)  # up to the longest sequence the model takes
-    io = ExportedModel.read(sampled_k2).io
-    expected = generate(TorchRunner(io, tiny_model), prompt, new + 3, **kwargs)
-    actual = generate(OrtRunner(io, sampled_k2, kernel=False), prompt, new + 3, **kwargs)
+    decoder_io = ExportedModel.read(sampled_k2).io
+    expected = generate(TorchRunner(decoder_io, tiny_model), prompt, new + 3, **kwargs)
+    actual = generate(OrtRunner(decoder_io, sampled_k2, kernel=False), prompt, new + 3, **kwargs)
     assert len(expected) == new and actual == expected
     assert len(set(expected)) > 1  # not a degenerate constant stream
 

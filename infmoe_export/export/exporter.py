@@ -66,17 +66,17 @@ class _ExportMoE(nn.Module):
 
 
 class _ExportModule(nn.Module):
-    """The reference model with flat, ONNX-named inputs and outputs (see io.py)."""
+    """The reference model with flat, ONNX-named inputs and outputs (see decoder_io.py)."""
 
-    def __init__(self, model: InfMoEGPT, io: DecoderIO):
+    def __init__(self, model: InfMoEGPT, decoder_io: DecoderIO):
         super().__init__()
-        self.io = io
+        self.io = decoder_io
         self.model = copy.deepcopy(model).eval()
-        dtype = torch.float16 if io.dtype == "fp16" else torch.float32
+        dtype = torch.float16 if decoder_io.dtype == "fp16" else torch.float32
         for block in self.model.h:
             block.moe = _ExportMoE(block.moe, dtype)
-        if io.noise == "quantile":  # baked in as a constant
-            self.register_buffer("quantile_eps", quantile_noise(io.k), persistent=False)
+        if decoder_io.noise == "quantile":  # baked in as a constant
+            self.register_buffer("quantile_eps", quantile_noise(decoder_io.k), persistent=False)
 
     def forward(self, *inputs):
         named = dict(zip(self.io.input_names, inputs))
@@ -133,10 +133,10 @@ def _quiet():
         logger.setLevel(level)
 
 
-def _rename_dims(graph: ir.Graph, io: DecoderIO):
+def _rename_dims(graph: ir.Graph, decoder_io: DecoderIO):
     """Give every dynamic dim its Optimum-style name: torch.export calls some 's53', and
     writes sums in either order ('sequence + past_sequence')."""
-    wanted = io.shapes()
+    wanted = decoder_io.shapes()
     mapping = {}
     for value in [*graph.inputs, *graph.outputs]:
         for dim, name in zip(value.shape, wanted[value.name]):
@@ -172,41 +172,41 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
                 noise: str = "quantile", past: bool = True, opset: int = DEFAULT_OPSET, dtype: str = "fp32",
                 function: bool = True, with_starts: bool = False) -> ExportedModel:
     """Export model for expert budget k (default: its num_samples) to path."""
-    io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype)
+    decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype)
     check_opset(opset)
     path = check_output_path(path)
 
-    module = _ExportModule(model, io)
+    module = _ExportModule(model, decoder_io)
     config = model.config
     batch, sequence = Dim(BATCH), Dim(SEQUENCE, max=config.n_positions)
     axes = {"input_ids": {0: batch, 1: sequence}, "attention_mask": {0: batch, 1: Dim.AUTO},
             "expert_noise": {0: batch, 1: sequence}}
-    axes.update({name: {0: batch, 2: Dim(PAST, max=config.n_positions)} for name in io.past_names})
-    example = io.dummy_inputs()
+    axes.update({name: {0: batch, 2: Dim(PAST, max=config.n_positions)} for name in decoder_io.past_names})
+    example = decoder_io.dummy_inputs()
     args = tuple(torch.from_numpy(array) for array in example.values())
     try:
         with _quiet(), torch.no_grad():
             program = torch.onnx.export(
-                module, args, dynamo=True, input_names=io.input_names, output_names=io.output_names,
-                dynamic_shapes=(tuple(axes[name] for name in io.input_names),), opset_version=opset,
+                module, args, dynamo=True, input_names=decoder_io.input_names, output_names=decoder_io.output_names,
+                dynamic_shapes=(tuple(axes[name] for name in decoder_io.input_names),), opset_version=opset,
                 optimize=True, verbose=False)
     except Exception as error:  # torch.onnx wraps everything in its own error types
         summary = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise InfMoEError(f"torch.onnx export failed: {summary}") from error
 
     onnx_model = program.model
-    _rename_dims(onnx_model.graph, io)
+    _rename_dims(onnx_model.graph, decoder_io)
     has_function = function and not config.is_dense  # a dense model has no custom op to fall back from
     if has_function:
         fn = ir_function(opset)
         onnx_model.functions[fn.identifier()] = fn
-    metadata = io.metadata(opset, has_function)
+    metadata = decoder_io.metadata(opset, has_function)
     onnx_model.metadata_props.update(metadata)
     onnx_model.producer_name = "infmoe-export"
 
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     _save_atomic(onnx_model, path, external=weight_bytes > EXTERNAL_DATA_BYTES)
-    return ExportedModel(path, io, metadata)
+    return ExportedModel(path, decoder_io, metadata)
 
 
 def model_filename(k: int, noise: str) -> str:

@@ -10,13 +10,14 @@ import html
 import json
 import os
 import string
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import List, NamedTuple, Optional
 
 from .. import __version__
 from ..errors import InfMoEError
+from ..files import atomic_write
+from ..verify.parity import failures
 from .tradeoff import plot_tradeoff, tradeoff_rows
 
 SCHEMA_VERSION = 1
@@ -39,7 +40,7 @@ def validate_report(report: dict) -> None:
     try:
         import jsonschema
     except ImportError:
-        raise InfMoEError("writing a report needs jsonschema: pip install 'infmoe-export[report]'") from None
+        raise InfMoEError("writing a report needs jsonschema, a dependency of infmoe-export: reinstall the package") from None
     try:
         jsonschema.validate(report, load_schema(), format_checker=jsonschema.FormatChecker())
     except jsonschema.ValidationError as error:
@@ -51,8 +52,7 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
                  parity: Optional[dict] = None, bench: Optional[dict] = None,
                  stages: Optional[list] = None, notes: Optional[list] = None) -> dict:
     """The report dict of schema.json; passed is False when any parity row failed."""
-    failures = [f"{r['backend']} K={r['k']} {r['noise']}: {r['reason']}"
-                for r in (parity or {}).get("results", []) if r["status"] == "fail"]
+    failed = failures(parity)
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
@@ -61,8 +61,8 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "command": command,
         "model": {"checkpoint": checkpoint, "config": config},
         "environment": environment,
-        "passed": not failures,
-        "failures": failures,
+        "passed": not failed,
+        "failures": failed,
         "stages": stages or [],
         "parity": parity,
         "bench": bench,
@@ -184,20 +184,6 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
         parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in report["notes"]) + "</ul>")
     template = string.Template(resources.files(__package__).joinpath("template.html").read_text())
     return template.substitute(title=e(f"infmoe-export {report['kind']} report"), body="\n".join(parts))
-
-
-def atomic_write(path: Path, data) -> Path:
-    """Write to a temporary file beside path, then rename: never a half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
 
 
 def prepare_out_dir(out: Path, create: bool = True) -> Path:

@@ -37,7 +37,7 @@ def plot_tradeoff(rows: List[dict]) -> bytes:
     try:
         import matplotlib
     except ImportError:
-        raise InfMoEError("the report plots need matplotlib: pip install 'infmoe-export[report]'") from None
+        raise InfMoEError("the report plots need matplotlib, a dependency of infmoe-export: reinstall the package") from None
     matplotlib.use("Agg")  # files only, never a display
     import matplotlib.pyplot as plt
 

@@ -22,11 +22,11 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
              on_token: Optional[Callable[[int], None]] = None) -> List[int]:
     """New token ids after prompt_ids. runner has .io (a DecoderIO) and Polygraphy's infer();
     the seed drives both sampling and, for sampled-noise models, expert_noise."""
-    io = runner.io
+    decoder_io = runner.io
     prompt_ids = [int(i) for i in prompt_ids]
     if not prompt_ids:
         raise InfMoEError("the prompt is empty: give at least one byte")
-    limit = io.config.n_positions
+    limit = decoder_io.config.n_positions
     if len(prompt_ids) > limit:
         raise InfMoEError(f"the prompt has {len(prompt_ids)} tokens, more than n_positions ({limit})")
     if not greedy and not temperature > 0:
@@ -35,20 +35,20 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
         raise InfMoEError(f"top-k must be at least 1, got {top_k}")
     generator = torch.Generator().manual_seed(seed)
     ids, new, past, step_ids = list(prompt_ids), [], None, list(prompt_ids)
-    present_names = [name.replace("past_key_values", "present") for name in io.past_names]
+    present_names = [name.replace("past_key_values", "present") for name in decoder_io.past_names]
     with contextlib.nullcontext() if runner.is_active else runner:
         while len(new) < max_new_tokens and len(ids) < limit:
             noise = None
-            if io.noise == "sampled":
-                noise = torch.randn(1, len(step_ids), io.k, generator=generator).numpy()
-            feed = io.feed(np.array([step_ids]), np.ones((1, len(ids)), np.int64), past, noise)
+            if decoder_io.noise == "sampled":
+                noise = torch.randn(1, len(step_ids), decoder_io.k, generator=generator).numpy()
+            feed = decoder_io.feed(np.array([step_ids]), np.ones((1, len(ids)), np.int64), past, noise)
             outputs = runner.infer(feed, check_inputs=False)
             token = _pick(outputs["logits"][0, -1, :BYTE_VOCAB], greedy, temperature, top_k, generator)
             ids.append(token)
             new.append(token)
             if on_token is not None:
                 on_token(token)
-            if io.past:
+            if decoder_io.past:
                 past, step_ids = [outputs[name] for name in present_names], [token]
             else:  # no cache: run the whole sequence again
                 step_ids = list(ids)

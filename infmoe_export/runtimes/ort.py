@@ -51,13 +51,13 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
 class OrtRunner(OnnxrtRunner):
     """Polygraphy's onnxruntime runner over create_session, with the model's DecoderIO."""
 
-    def __init__(self, io: DecoderIO, model: Union[ExportedModel, str, os.PathLike], *, kernel: bool = True,
+    def __init__(self, decoder_io: DecoderIO, model: Union[ExportedModel, str, os.PathLike], *, kernel: bool = True,
                  providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
                  name: Optional[str] = None):
         if not isinstance(model, ExportedModel):
             model = ExportedModel.read(model)
-        if model.io != io:
+        if model.io != decoder_io:
             raise InfMoEError(f"{model.path} was exported with other inputs and outputs than the ones given")
         super().__init__(lambda: create_session(model, kernel, providers, intra_op_threads), name=name)
         self.path = model.path
-        self.io = io
+        self.io = decoder_io

@@ -20,14 +20,14 @@ from ..model import InfMoEGPT
 
 
 class TorchRunner(BaseRunner):
-    """Runs model with the inputs and outputs of io (expert budget, noise, cache, starts)."""
+    """Runs model with the inputs and outputs of decoder_io (expert budget, noise, cache, starts)."""
 
-    def __init__(self, io: DecoderIO, model: InfMoEGPT, *, name: Optional[str] = None):
+    def __init__(self, decoder_io: DecoderIO, model: InfMoEGPT, *, name: Optional[str] = None):
         super().__init__(name=name, prefix="torch-runner")
-        if io.config != model.config:
+        if decoder_io.config != model.config:
             raise InfMoEError("the PyTorch model's config differs from the exported model's")
         self.model = model.eval()
-        self.io = io
+        self.io = decoder_io
 
     def activate_impl(self):
         pass

@@ -8,7 +8,6 @@ the tokens whose computation is the same in both backends, see compare_backend),
 statistics per token, top-1 agreement, and perplexity.
 """
 
-import math
 from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -17,7 +16,7 @@ import numpy as np
 
 from ..data import corpus_bytes, read_texts, windows
 from ..errors import InfMoEError
-from ..evaluate import sampled_noise
+from ..evaluate import perplexity_of_logits, sampled_noise
 from ..contract import ExportedModel
 from ..runtimes import registry
 
@@ -65,19 +64,6 @@ def starts_of(outputs: Dict[str, np.ndarray]) -> Optional[np.ndarray]:
     return np.stack([outputs[n] for n in names], axis=2) if names else None
 
 
-def perplexity(logits: Sequence[np.ndarray], ids: Sequence[np.ndarray]) -> float:
-    """exp(mean next-token NLL): every window predicts its 2nd..last token (as evaluate.py)."""
-    total, count = 0.0, 0
-    for lg, tokens in zip(logits, ids):
-        lg = lg[:, :-1].astype(np.float64)
-        top = lg.max(axis=-1, keepdims=True)
-        log_z = np.log(np.exp(lg - top).sum(axis=-1)) + top[..., 0]
-        target = np.take_along_axis(lg, tokens[:, 1:, None], axis=-1)[..., 0]
-        total += float((log_z - target).sum())
-        count += target.size
-    return math.exp(total / count)
-
-
 def error_stats(reference: np.ndarray, test: np.ndarray) -> dict:
     """reference/test [N, V]: statistics over the N tokens of each token's max |difference|."""
     if reference.shape[0] == 0:
@@ -118,7 +104,7 @@ def compare_backend(name: str, reference: List[dict], test: List[dict], ids: Lis
     test_logits = np.concatenate([t["logits"].reshape(-1, t["logits"].shape[-1]) for t in test])
     ref_starts = [starts_of(r) for r in reference]
     test_starts = [starts_of(t) for t in test]
-    row = {"perplexity": perplexity([t["logits"] for t in test], ids),
+    row = {"perplexity": perplexity_of_logits([t["logits"] for t in test], ids),
            "top1_agreement": float((ref_logits.argmax(-1) == test_logits.argmax(-1)).mean()),
            "error_all": error_stats(ref_logits, test_logits), "start_agreement": None,
            "agreeing_token_share": None, "error_agreeing": None, "clean_token_share": None, "error_clean": None}
@@ -178,7 +164,7 @@ def run_parity(torch_model, models: List[ExportedModel], *, backends: Sequence[s
             run = Comparator.run([reference] + runners, data_loader=feeds)
         outputs = {name: [dict(iteration.items()) for iteration in iterations] for name, iterations in run.items()}
         seconds = {name: sum(iteration.runtime or 0.0 for iteration in iterations) for name, iterations in run.items()}
-        ref_ppl = perplexity([o["logits"] for o in outputs[reference.name]], ids)
+        ref_ppl = perplexity_of_logits([o["logits"] for o in outputs[reference.name]], ids)
         results.append({**blank_row("torch", info), "status": "reference", "perplexity": ref_ppl,
                         "reference_perplexity": ref_ppl, "top1_agreement": 1.0, "seconds": seconds[reference.name]})
         for runner in runners:
@@ -202,8 +188,13 @@ def skipped_row(backend: str, info, reason: str) -> dict:
     return {**blank_row(backend, info), "status": "skipped", "reason": reason}
 
 
-def failure_line(parity: dict) -> Optional[str]:
+def failures(parity: Optional[dict]) -> List[str]:
+    """One entry per backend and model out of tolerance, naming the failing figure."""
+    return [f"{r['backend']} K={r['k']} {r['noise']}: {r['reason']}"
+            for r in (parity or {}).get("results", []) if r["status"] == "fail"]
+
+
+def failure_line(parity: Optional[dict]) -> Optional[str]:
     """One line naming every backend out of tolerance, None when all passed."""
-    failed = [f"{r['backend']} (K={r['k']}, {r['noise']}): {r['reason']}"
-              for r in parity["results"] if r["status"] == "fail"]
+    failed = failures(parity)
     return ("parity failed for " + "; ".join(failed)) if failed else None

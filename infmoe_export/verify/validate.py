@@ -85,12 +85,12 @@ class ValidationReport:
         return table
 
 
-def _with_starts_outputs(path: Path, io: DecoderIO) -> Optional[Path]:
+def _with_starts_outputs(path: Path, decoder_io: DecoderIO) -> Optional[Path]:
     """A sibling copy of the model whose outputs include every layer's starts (None if it
     already has them). Beside the original so that external data still resolves."""
     model = onnx.load(str(path), load_external_data=False)
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
-    if io.with_starts or not nodes:
+    if decoder_io.with_starts or not nodes:
         return None
     for node in nodes:  # the exporter emits them in layer order
         model.graph.output.append(helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None))
@@ -100,22 +100,22 @@ def _with_starts_outputs(path: Path, io: DecoderIO) -> Optional[Path]:
     return Path(copy)
 
 
-def _compare(report: ValidationReport, step: str, io: DecoderIO, expected: Dict[str, np.ndarray],
+def _compare(report: ValidationReport, step: str, decoder_io: DecoderIO, expected: Dict[str, np.ndarray],
              actual: Dict[str, np.ndarray], starts_actual: List[np.ndarray], attention_mask: np.ndarray):
     """Append one row per output to the report."""
-    if list(actual) != io.output_names:
-        report.problems.append(f"{step}: output names {list(actual)} differ from {io.output_names}")
+    if list(actual) != decoder_io.output_names:
+        report.problems.append(f"{step}: output names {list(actual)} differ from {decoder_io.output_names}")
         return
     sequence = expected["logits"].shape[1]
     real = attention_mask[:, -sequence:].astype(bool)  # padded positions are garbage, never compared
     # agree[l]: real tokens whose own starts and those of every earlier token of their row (which
     # they attend to) agree in layers 0..l-1: everything an output of layer l depends on.
     agree, same = [real], np.ones_like(real)
-    for layer in range(io.config.n_layer):
+    for layer in range(decoder_io.config.n_layer):
         if starts_actual:
             same &= (expected[f"expert_starts.{layer}"] == starts_actual[layer]).all(axis=-1) | ~real
         agree.append(np.logical_and.accumulate(same, axis=1) & real)
-    for name in io.output_names:
+    for name in decoder_io.output_names:
         e, a = expected[name], actual[name]
         if e.shape != a.shape:
             report.problems.append(f"{step}: {name} has shape {list(a.shape)}, expected {list(e.shape)}")
@@ -138,9 +138,9 @@ def _compare(report: ValidationReport, step: str, io: DecoderIO, expected: Dict[
                                    "over tokens whose starts agree")
 
 
-def _check_dims(report: ValidationReport, session, io: DecoderIO):
-    wanted = io.shapes()
-    for arg in list(session.get_inputs()) + list(session.get_outputs())[:len(io.output_names)]:
+def _check_dims(report: ValidationReport, session, decoder_io: DecoderIO):
+    wanted = decoder_io.shapes()
+    for arg in list(session.get_inputs()) + list(session.get_outputs())[:len(decoder_io.output_names)]:
         if arg.name in wanted and list(arg.shape) != wanted[arg.name]:
             report.problems.append(f"{arg.name} has dims {arg.shape}, expected {wanted[arg.name]}")
 
@@ -152,11 +152,11 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     raise_on_failure is False; the report's table() renders the numbers either way."""
     if not isinstance(exported, ExportedModel):
         exported = ExportedModel.read(exported)
-    path, io = exported.path, exported.io
-    if io.config != model.config:
+    path, decoder_io = exported.path, exported.io
+    if decoder_io.config != model.config:
         raise InfMoEError(f"{path} was exported from a different model config than the one given")
-    report = ValidationReport(path, DEFAULT_ATOL[io.dtype] if atol is None else atol)
-    copy = _with_starts_outputs(path, io)
+    report = ValidationReport(path, DEFAULT_ATOL[decoder_io.dtype] if atol is None else atol)
+    copy = _with_starts_outputs(path, decoder_io)
     positions = {}  # layer -> the reference's continuous start positions, from a router hook
     hooks = [block.moe.router.register_forward_hook(
         lambda module, args, z, layer=layer: positions.__setitem__(layer, z.detach().double()))
@@ -164,34 +164,34 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     counts = []
     try:
         session = create_session(copy or exported, kernel=kernel, providers=providers)
-        _check_dims(report, session, io)
+        _check_dims(report, session, decoder_io)
         names = [o.name for o in session.get_outputs()]
-        reference = TorchRunner(DecoderIO(io.config, io.k, io.noise, io.past, with_starts=True), model)
+        reference = TorchRunner(DecoderIO(decoder_io.config, decoder_io.k, decoder_io.noise, decoder_io.past, with_starts=True), model)
 
         def check(step, feed):
             actual = dict(zip(names, session.run(None, dict(feed))))
-            starts = [actual.pop(n) for n in names[len(io.output_names):]]
-            if io.with_starts:
-                starts = [actual[f"expert_starts.{i}"] for i in range(io.config.n_layer)]
+            starts = [actual.pop(n) for n in names[len(decoder_io.output_names):]]
+            if decoder_io.with_starts:
+                starts = [actual[f"expert_starts.{i}"] for i in range(decoder_io.config.n_layer)]
             expected = reference.infer(feed, check_inputs=False)
-            _compare(report, step, io, expected, actual, starts, feed["attention_mask"])
+            _compare(report, step, decoder_io, expected, actual, starts, feed["attention_mask"])
             if starts:
-                counts.append(_check_starts(report, step, io, expected, starts, positions))
+                counts.append(_check_starts(report, step, decoder_io, expected, starts, positions))
             return expected
 
         with reference:
-            prefill = io.dummy_inputs(batch=2, sequence=sequence, past_sequence=0, left_pad=2, seed=seed)
+            prefill = decoder_io.dummy_inputs(batch=2, sequence=sequence, past_sequence=0, left_pad=2, seed=seed)
             expected = check("prefill", prefill)
             # The second step: one decode token on the reference's cache, or (no past) a new
             # batch and length, so that every dynamic dim takes a second value.
             rng = np.random.default_rng(seed + 1)
-            if io.past:
+            if decoder_io.past:
                 mask = np.concatenate([prefill["attention_mask"], np.ones((2, 1), np.int64)], axis=1)
-                past = [expected[n.replace("past_key_values", "present")] for n in io.past_names]
-                noise = rng.standard_normal((2, 1, io.k)) if io.noise == "sampled" else None
-                check("decode", io.feed(rng.integers(0, 256, (2, 1)), mask, past, noise))
+                past = [expected[n.replace("past_key_values", "present")] for n in decoder_io.past_names]
+                noise = rng.standard_normal((2, 1, decoder_io.k)) if decoder_io.noise == "sampled" else None
+                check("decode", decoder_io.feed(rng.integers(0, 256, (2, 1)), mask, past, noise))
             else:
-                check("batch 3", io.dummy_inputs(batch=3, sequence=sequence - 2, past_sequence=0, left_pad=1,
+                check("batch 3", decoder_io.dummy_inputs(batch=3, sequence=sequence - 2, past_sequence=0, left_pad=1,
                                                  seed=seed + 1))
     finally:
         for hook in hooks:
@@ -207,12 +207,12 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     return report
 
 
-def _check_starts(report: ValidationReport, step: str, io: DecoderIO, expected, starts, positions) -> tuple:
+def _check_starts(report: ValidationReport, step: str, decoder_io: DecoderIO, expected, starts, positions) -> tuple:
     """Count equal starts; judge each row's first diverging layer (see module doc).
     Returns (equal starts, all starts)."""
-    c = io.config
+    c = decoder_io.config
     windows = c.ffn_hidden - c.slice_width + 1
-    margin = BOUNDARY_TOLERANCE[io.dtype] * windows
+    margin = BOUNDARY_TOLERANCE[decoder_io.dtype] * windows
     diverged = np.zeros(starts[0].shape[0], dtype=bool)  # per batch row
     same = total = 0
     for layer, actual in enumerate(starts):
