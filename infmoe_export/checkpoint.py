@@ -8,15 +8,18 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import InfMoEError
+from .files import atomic_write, publish_dir
+from .limits import MAX_CONFIG_BYTES, check_file_size
 from .model import InfMoEConfig, InfMoEGPT
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_CHECKPOINT = Path(__file__).parent / "default_model"
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names
 
 
 def expected_shapes(config: InfMoEConfig) -> dict:
@@ -42,10 +45,13 @@ def read_config(path: Union[str, Path]) -> InfMoEConfig:
     path = Path(path)
     if not path.is_dir() or not (path / CONFIG_FILE).is_file():
         raise InfMoEError(f"{path} is not a checkpoint: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    check_file_size(path / CONFIG_FILE, MAX_CONFIG_BYTES, "config file")
     try:
         data = json.loads((path / CONFIG_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InfMoEError(f"{path / CONFIG_FILE} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InfMoEError(f"{path / CONFIG_FILE} is nested too deeply to be a config") from None
     return InfMoEConfig.from_dict(data)
 
 
@@ -56,35 +62,42 @@ def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise InfMoEError(f"{path} is not a checkpoint: {WEIGHTS_FILE} is missing")
+    expected = expected_shapes(config)
+    # Names, shapes and dtypes come from the header: all are checked before any tensor is read.
     try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            names = set(f.keys())
+            missing = [name for name in expected if name not in names]
+            if missing:
+                raise InfMoEError(f"{weights_path}: missing tensor {missing[0]!r}")
+            extra = sorted(names - set(expected))
+            if extra:
+                raise InfMoEError(f"{weights_path}: unexpected tensor {extra[0]!r}")
+            for name, shape in expected.items():
+                found = list(f.get_slice(name).get_shape())
+                if found != shape:
+                    raise InfMoEError(f"{weights_path}: tensor {name!r} has shape {found}, expected {shape}")
+                dtype = f.get_slice(name).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    raise InfMoEError(f"{weights_path}: tensor {name!r} has dtype {dtype}, expected a float type")
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as error:
         raise InfMoEError(f"{weights_path} is not a readable safetensors file ({error})") from None
-
-    expected = expected_shapes(config)
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise InfMoEError(f"{weights_path}: missing tensor {missing[0]!r}")
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise InfMoEError(f"{weights_path}: unexpected tensor {extra[0]!r}")
-    for name, shape in expected.items():
-        tensor = tensors[name]
-        if list(tensor.shape) != shape:
-            raise InfMoEError(f"{weights_path}: tensor {name!r} has shape {list(tensor.shape)}, expected {shape}")
-        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise InfMoEError(f"{weights_path}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+    for name, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            raise InfMoEError(f"{weights_path}: tensor {name!r} holds NaN or infinite values")
 
     model = InfMoEGPT(config)
     model.load_state_dict({name: t.float() for name, t in tensors.items()}, strict=True)
     return model.eval()
 
 
-def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional[dict] = None) -> Path:
-    """Write config.json + model.safetensors atomically: into a temporary sibling, then renamed."""
+def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional[dict] = None,
+                    extra_files: Optional[dict] = None) -> Path:
+    """Write config.json + model.safetensors (+ extra_files: {name: text}) into a staging folder
+    beside path, then publish it (files.publish_dir: an existing path is replaced only if this
+    program made it)."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise InfMoEError(f"cannot write checkpoint to {path}: it exists and is not a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     umask = os.umask(0)
@@ -95,14 +108,9 @@ def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
         save_file(state, str(staging / WEIGHTS_FILE), metadata={k: str(v) for k, v in (metadata or {}).items()})
         (staging / WEIGHTS_FILE).chmod(0o666 & ~umask)  # safetensors writes it private too
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(staging, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, path)
+        for name, text in (extra_files or {}).items():
+            atomic_write(staging / name, text)
+        publish_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -41,13 +41,19 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, COMMANDS[name][1]) for name in self.list_commands(ctx)])
 
 
+DEBUG = {"on": False}  # set by --debug: show the traceback of an unexpected error
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="infmoe-export")
-def cli():
+@click.option("--debug", is_flag=True, help="Show the full traceback of an unexpected error.")
+def cli(debug):
     """Export, run, compile and prove ∞-MoE language models."""
+    DEBUG["on"] = debug
 
 
 def main(argv=None):
+    DEBUG["on"] = False
     # Piped output (CI logs, `| tee`) would otherwise be cut to rich's 80-column default and
     # truncate the report tables; rich reads COLUMNS when the stream is not a terminal.
     if not sys.stdout.isatty():
@@ -66,3 +72,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except (MemoryError, RecursionError) as error:
+        click.echo(f"error: out of {'memory' if isinstance(error, MemoryError) else 'stack'}: the input is too large "
+                   "for this machine", err=True)
+        sys.exit(1)
+    except Exception as error:  # the error boundary: one line, never a traceback, unless asked for
+        if DEBUG["on"]:
+            raise
+        summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        click.echo(f"error: unexpected {type(error).__name__}: {summary} (rerun with `infmoe-export --debug ...` "
+                   "for the traceback, and please report it)", err=True)
+        sys.exit(2)

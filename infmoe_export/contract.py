@@ -32,6 +32,10 @@ from .model import NOISE_MODES, InfMoEConfig, Output
 # The custom op (SPEC §4): TensorRT finds its plugin by these, onnxruntime its kernel.
 DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
 
+# Far beyond any useful budget (K = H - r + 1 quantile samples already place a window at every
+# start); the bound keeps a mistyped K from allocating gigabytes of noise and starts.
+MAX_K = 65536
+
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
 # The precision of the expert part (the FFN weights and the op); see exporter.py.
 DTYPES = ("fp32", "fp16")
@@ -47,8 +51,8 @@ class DecoderIO:
     dtype: str = "fp32"
 
     def __post_init__(self):
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise InfMoEError(f"expert budget K must be a positive integer, got {self.k!r}")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_K:
+            raise InfMoEError(f"expert budget K must be an integer in [1, {MAX_K}], got {self.k!r}")
         if self.noise not in NOISE_MODES:
             raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {self.noise!r}")
         if self.dtype not in DTYPES:

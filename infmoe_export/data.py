@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .errors import InfMoEError
+from .limits import MAX_TEXT_BYTES, check_file_size
 
 SPLITS = ("train", "validation")
 VALIDATION_BUCKET, BUCKETS = 0, 50
@@ -72,18 +73,22 @@ def corpus_files(split: str, root: Union[str, Path, None] = None) -> List[Path]:
 
 
 def read_texts(paths: Sequence[Union[str, Path]]) -> bytes:
-    """The files' bytes, concatenated in the order given; a missing or empty file is an error."""
-    chunks = []
-    for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise InfMoEError(f"text file {path} does not exist")
-        data = path.read_bytes()
-        if not data:
-            raise InfMoEError(f"text file {path} is empty")
-        chunks.append(data)
-    if not chunks:
+    """The files' bytes, concatenated in the order given; a missing or empty file is an error, and
+    so is more text than MAX_TEXT_BYTES in all (checked from the sizes, before reading)."""
+    paths = [Path(p) for p in paths]
+    if not paths:
         raise InfMoEError("no text files given")
+    total = 0
+    for path in paths:
+        if path.is_dir():
+            raise InfMoEError(f"text file {path} is a directory; give the text files in it")
+        if not path.is_file():
+            raise InfMoEError(f"text file {path} does not exist or is not a regular file")
+        total += check_file_size(path, MAX_TEXT_BYTES - total, "text file")
+    chunks = [path.read_bytes() for path in paths]
+    empty = next((path for path, data in zip(paths, chunks) if not data), None)
+    if empty is not None:
+        raise InfMoEError(f"text file {empty} is empty")
     return b"".join(chunks)
 
 

@@ -3,7 +3,15 @@
 import os
 from typing import List, Optional
 
+import click
+
 from .errors import InfMoEError
+from .limits import check_fits, forward_bytes
+
+# Seeds feed torch and numpy generators, which take 64-bit values.
+SEED = click.IntRange(0, 2**63 - 1)
+# Counts (K, batch, sequence) beyond this are never meaningful and would overflow int32 shapes.
+MAX_COUNT = 2**31 - 1
 
 
 def positive_ints(text: str, option: str = "--k") -> List[int]:
@@ -12,9 +20,15 @@ def positive_ints(text: str, option: str = "--k") -> List[int]:
         values = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         values = []
-    if not values or values[0] < 1:
-        raise InfMoEError(f"{option} must be a comma-separated list of positive integers, got {text!r}")
+    if not values or values[0] < 1 or values[-1] > MAX_COUNT:
+        raise InfMoEError(f"{option} must be a comma-separated list of positive integers up to {MAX_COUNT}, "
+                          f"got {text!r}")
     return values
+
+
+def check_forward_memory(config, batch: int, seq: int, k: int) -> None:
+    """Refuse a batch, sequence and expert budget whose forward pass would not fit in memory."""
+    check_fits(forward_bytes(config, batch, seq, k), f"a forward pass at batch {batch}, sequence {seq}, K={k}")
 
 
 def set_threads(threads: Optional[int] = None) -> int:

@@ -10,10 +10,9 @@ import torch
 from rich.console import Console
 
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
-from ..errors import InfMoEError
 from ..export import export_many
-from ..files import atomic_write
-from ..options import positive_ints
+from ..files import atomic_write, output_file
+from ..options import check_forward_memory, positive_ints
 from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
 from ..report.render import build_report, rich_table, tables, validate_report
 from ..report.timing import environment
@@ -43,10 +42,11 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     """Latency, throughput and memory per backend and K."""
     backends = registry.parse_backends(backend_list)
     ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
-    if json_path and Path(json_path).is_dir():
-        raise InfMoEError(f"--json {json_path} is a directory")
+    if json_path:
+        output_file(json_path)
     torch_model = load_checkpoint(checkpoint)
     check_shapes(torch_model.config, seqs, past)
+    check_forward_memory(torch_model.config, max(batches), max(seqs) + past, max(ks))
     if threads:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="infmoe-bench-") as scratch:
@@ -63,5 +63,5 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     console = Console()
     console.print(rich_table(next(t for t in tables(report) if t.title == "Latency")))
     if json_path:
-        atomic_write(Path(json_path), json.dumps(report, indent=2) + "\n")
+        atomic_write(output_file(json_path), json.dumps(report, indent=2, allow_nan=False) + "\n")
         console.print(f"results: {json_path}", markup=False)

@@ -10,7 +10,7 @@ from ..data import corpus_bytes, read_texts, windows
 from ..errors import InfMoEError
 from ..evaluate import window_nll
 from ..model import NOISE_MODES
-from ..options import positive_ints, set_threads
+from ..options import SEED, check_forward_memory, positive_ints, set_threads
 
 
 @click.command("eval")
@@ -19,7 +19,7 @@ from ..options import positive_ints, set_threads
               help="Text file(s) to score, concatenated (default: the stdlib validation split).")
 @click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled noise.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per K.")
 def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
@@ -29,6 +29,7 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
     model = load_checkpoint(checkpoint)
     data = read_texts(texts) if texts else corpus_bytes("validation")
     chunks = windows(data, model.config.n_positions)
+    check_forward_memory(model.config, min(batch_size, len(chunks)), model.config.n_positions, max(ks))
     records = []
     for k in ks:
         total, count = window_nll(model, chunks, k, noise, seed, batch_size)
@@ -38,7 +39,7 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, as_json):
                         "nll_per_byte": total / count, "perplexity": math.exp(total / count),
                         "bits_per_byte": total / count / math.log(2), "predicted_bytes": count})
     if as_json:
-        click.echo(json.dumps(records, indent=2))
+        click.echo(json.dumps(records, indent=2, allow_nan=False))
         return
     from rich.console import Console
     from rich.table import Table

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import load_checkpoint
+from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
 from ..contract import DTYPES
 from ..errors import InfMoEError
+from ..files import output_file
 from ..export import DEFAULT_OPSET, export_onnx
 from ..model import NOISE_MODES
 from ..runtimes import ort_kernel
@@ -38,6 +39,8 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
         if ort_kernel.custom_op_library() is None:
             raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not installed; "
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
+    source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    output_file(out, inputs=[source / CONFIG_FILE, source / WEIGHTS_FILE])
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
     exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, dtype=dtype,

@@ -8,12 +8,13 @@ from rich.console import Console
 
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..errors import InfMoEError
-from ..options import positive_ints
-from ..report.render import build_report, prepare_out_dir, summary_table, write_report
+from ..options import SEED, check_forward_memory, positive_ints
+from ..files import locked, output_dir
+from ..report.render import build_report, summary_table, write_report
 from ..report.timing import environment
 from ..runtimes import registry
 from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_START_AGREEMENT, DEFAULT_RTOL,
-                             failure_line, run_parity)
+                             BATCH_SIZE, failure_line, run_parity)
 
 
 @click.command("parity")
@@ -33,13 +34,15 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_STAR
               show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
 @click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
               help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampled noise.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled noise.")
 def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_list, atol, rtol,
                    min_start_agreement, max_windows, seed):
     """Parity of every backend against the PyTorch reference (SPEC §5)."""
     backends = registry.parse_backends(backend_list, allow_torch=False)
-    prepare_out_dir(Path(out), create=False)
+    out = output_dir(out)
     torch_model = load_checkpoint(checkpoint)
+    check_forward_memory(torch_model.config, BATCH_SIZE, torch_model.config.n_positions,
+                         max(positive_ints(ks, "--k")) if ks else torch_model.config.num_samples)
     models = registry.find_models(model_paths, ks=positive_ints(ks, "--k") if ks else None)
     registry.check_models(models, torch_model.config)
     parity = run_parity(torch_model, models, backends=backends, engines=Path(engines) if engines else None,
@@ -48,7 +51,8 @@ def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_lis
     report = build_report("parity", "infmoe-export " + " ".join(sys.argv[1:]),
                           str(checkpoint or DEFAULT_CHECKPOINT), torch_model.config.to_dict(), environment(),
                           parity=parity)
-    paths = write_report(report, Path(out))
+    with locked(out):
+        paths = write_report(report, out)
     console = Console()
     console.print(summary_table(report))
     console.print(f"report: {paths['html']}", markup=False)

@@ -9,6 +9,7 @@ sampled ones at batch-1 decode only: the two graphs differ by one input, so that
 show it costs nothing and keeps the job short.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,9 +23,10 @@ from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..errors import InfMoEError
 from ..export import export_many
 from ..model import NOISE_MODES
-from ..options import positive_ints
+from ..files import locked, output_dir, staged_dir
+from ..options import check_forward_memory, positive_ints
 from ..report.bench import DEFAULT_PAST, run_bench
-from ..report.render import build_report, prepare_out_dir, summary_table, write_report
+from ..report.render import build_report, summary_table, write_report
 from ..report.timing import environment
 from ..runtimes import ort_kernel
 from ..runtimes.tensorrt import build_engines, tensorrt_available
@@ -101,12 +103,26 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
     if not noises or any(n not in NOISE_MODES for n in noises):
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
     torch_model = load_checkpoint(checkpoint)
-    out = prepare_out_dir(Path(out))
+    check_forward_memory(torch_model.config, max(BATCHES), torch_model.config.n_positions, max(ks))
+    out = output_dir(out)
     if threads:
         torch.set_num_threads(threads)
     console = Console()
-    models_dir = out / "models"
-    models_dir.mkdir(exist_ok=True)
+    # The run is staged beside --out and published over it at the end (also when parity fails:
+    # the report says so); a run that stops early leaves the previous one whole.
+    with locked(out), staged_dir(out) as work:
+        paths, failure = run_stages(console, work, torch_model, checkpoint, ks, noises, max_windows, iters, warmup,
+                                    threads)
+    console.print(f"report: {out / paths['html'].name} (also {paths['markdown'].name}, {paths['json'].name})",
+                  markup=False)
+    if failure:
+        raise InfMoEError(failure)
+
+
+def run_stages(console, work: Path, torch_model, checkpoint, ks, noises, max_windows, iters, warmup, threads):
+    """Every stage into the folder work; returns the report's paths and the parity failure line."""
+    models_dir = work / "models"
+    models_dir.mkdir()
     models = []
     engines = None
     kernel = ort_kernel.custom_op_library() is not None
@@ -132,7 +148,7 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
                 return "skipped", ("TensorRT is not installed, no engines built "
                                    "(pip install 'infmoe-export[tensorrt]' on a machine with an NVIDIA GPU)")
             advance("exporting without the fallback function")
-            folder = out / "engines"
+            folder = work / "engines"
             planned = {m.k: m for m in export_many(torch_model, folder / "onnx", ks, function=False, with_starts=True)}
             advance("building engines")
             engines = build_engines(planned, folder, fp16=False, timing_cache=folder / "timing.cache",
@@ -167,12 +183,11 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
         stages.run("latency", 4 * n_models, latency)
 
     notes = [r["note"] for r in stages.records if r["status"] == "skipped"]
+    for row in parity_section["results"]:  # paths inside the published folder, not the staging one
+        row["model"] = os.path.relpath(row["model"], work)
     report = build_report("pipeline", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
                           torch_model.config.to_dict(), environment(threads), parity=parity_section, bench=bench_section,
                           stages=stages.records, notes=notes)
-    paths = write_report(report, out)
+    paths = write_report(report, work)
     console.print(summary_table(report))
-    console.print(f"report: {paths['html']} (also {paths['markdown'].name}, {paths['json'].name})", markup=False)
-    failure = failure_line(parity_section)
-    if failure:
-        raise InfMoEError(failure)
+    return paths, failure_line(parity_section)

@@ -4,17 +4,16 @@ import json
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import click
 
 from ..checkpoint import save_checkpoint
 from ..data import corpus_bytes, encode, windows
-from ..errors import InfMoEError
 from ..evaluate import router_spread
-from ..files import atomic_write
+from ..files import check_replaceable_dir
+from ..limits import check_fits, forward_bytes
 from ..model import InfMoEConfig
-from ..options import set_threads
+from ..options import SEED, set_threads
 from ..train import EVAL_WINDOWS, TRAIN_LOG, train_model
 
 
@@ -32,7 +31,7 @@ from ..train import EVAL_WINDOWS, TRAIN_LOG, train_model
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=3e-3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads (default: $OMP_NUM_THREADS, else min(4, CPUs)).")
 def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width, num_samples,
@@ -41,12 +40,13 @@ def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InfMoEError(f"--out {out} exists and is not a directory")
+    out = check_replaceable_dir(out)
     config = InfMoEConfig(vocab_size=256, n_positions=n_positions, d_model=d_model, n_layer=n_layer,
                           n_head=n_head, ffn_hidden=ffn_hidden, slice_width=slice_width,
                           num_samples=num_samples)
+    # Weights, gradients and AdamW's two moments, and activations kept for the backward pass.
+    check_fits(16 * config.parameter_count() + 4 * forward_bytes(config, batch_size, n_positions, num_samples),
+               f"training this model at batch size {batch_size}")
     threads = set_threads(threads)
     train_ids = encode(corpus_bytes("train", corpus))
     val_windows = windows(corpus_bytes("validation", corpus), n_positions)
@@ -72,8 +72,8 @@ def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width
         "train_bytes": len(train_ids), "validation_bytes": sum(len(w) for w in val_windows),
         "final_val_loss": log[-1]["val_loss"], "wall_s": round(time.time() - started, 1),
     }
-    save_checkpoint(model, out, metadata=summary)
     spread = router_spread(model, val_windows[::max(1, len(val_windows) // EVAL_WINDOWS)])
-    atomic_write(out / TRAIN_LOG, json.dumps({**summary, "router_spread": spread, "log": log}, indent=1) + "\n")
+    log_text = json.dumps({**summary, "router_spread": spread, "log": log}, indent=1, allow_nan=False) + "\n"
+    save_checkpoint(model, out, metadata=summary, extra_files={TRAIN_LOG: log_text})
     click.echo(f"wrote {out} (validation loss {summary['final_val_loss']:.4f} nats/byte, "
                f"{summary['wall_s']} s)")

@@ -8,7 +8,6 @@ import base64
 import datetime
 import html
 import json
-import os
 import string
 from importlib import resources
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import List, NamedTuple, Optional
 
 from .. import __version__
 from ..errors import InfMoEError
-from ..files import atomic_write
+from ..files import atomic_write, output_dir
 from ..verify.parity import failures
 from .tradeoff import plot_tradeoff, tradeoff_rows
 
@@ -186,27 +185,11 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
     return template.substitute(title=e(f"infmoe-export {report['kind']} report"), body="\n".join(parts))
 
 
-def prepare_out_dir(out: Path, create: bool = True) -> Path:
-    """Check (and create) an output directory, so a bad --out fails before any work."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InfMoEError(f"output directory {out} exists and is not a directory")
-    if not create:
-        return out
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InfMoEError(f"cannot create output directory {out}: {error.strerror}") from None
-    if not os.access(out, os.W_OK):
-        raise InfMoEError(f"output directory {out} is not writable")
-    return out
-
-
 def write_report(report: dict, out: Path) -> dict:
     """Validate, then write report.json, report.md, report.html (and tradeoff.png when there is a
     trade-off); returns {kind: path}."""
     validate_report(report)
-    out = prepare_out_dir(out)
+    out = output_dir(out)
     paths = {}
     plot = None
     if report["tradeoff"]:

@@ -24,15 +24,8 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
     the seed drives both sampling and, for sampled-noise models, expert_noise."""
     decoder_io = runner.io
     prompt_ids = [int(i) for i in prompt_ids]
-    if not prompt_ids:
-        raise InfMoEError("the prompt is empty: give at least one byte")
+    check_request(decoder_io, prompt_ids, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k)
     limit = decoder_io.config.n_positions
-    if len(prompt_ids) > limit:
-        raise InfMoEError(f"the prompt has {len(prompt_ids)} tokens, more than n_positions ({limit})")
-    if not greedy and not temperature > 0:
-        raise InfMoEError(f"temperature must be positive, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise InfMoEError(f"top-k must be at least 1, got {top_k}")
     generator = torch.Generator().manual_seed(seed)
     ids, new, past, step_ids = list(prompt_ids), [], None, list(prompt_ids)
     present_names = [name.replace("past_key_values", "present") for name in decoder_io.past_names]
@@ -55,11 +48,31 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
     return new
 
 
+def check_request(decoder_io, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = True,
+                  temperature: float = 1.0, top_k: Optional[int] = None) -> None:
+    """Refuse a generation request before any output: an empty prompt or one that leaves no room
+    in the context, a negative token count, a non-positive temperature, a top-k below 1."""
+    limit = decoder_io.config.n_positions
+    if len(prompt_ids) == 0:
+        raise InfMoEError("the prompt is empty: give at least one byte")
+    if len(prompt_ids) > limit or (max_new_tokens > 0 and len(prompt_ids) == limit):
+        raise InfMoEError(f"the prompt has {len(prompt_ids)} tokens: the context (n_positions = {limit}) has no "
+                          "room for new ones")
+    if max_new_tokens < 0:
+        raise InfMoEError(f"the number of new tokens must be >= 0, got {max_new_tokens}")
+    if not greedy and not temperature > 0:
+        raise InfMoEError(f"temperature must be positive, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise InfMoEError(f"top-k must be at least 1, got {top_k}")
+
+
 def _pick(logits: np.ndarray, greedy: bool, temperature: float, top_k: Optional[int], generator) -> int:
-    logits = torch.from_numpy(np.asarray(logits, dtype=np.float32))
+    logits = torch.from_numpy(np.asarray(logits, dtype=np.float64))
     if greedy:
         return int(logits.argmax())
-    logits = logits / temperature
+    # Shift before scaling: the best logit becomes 0, so even a temperature of 1e-300 gives
+    # finite probabilities (the others go to -inf, i.e. greedy) instead of NaN.
+    logits = (logits - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         cutoff = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < cutoff, float("-inf"))

@@ -1,0 +1,48 @@
+"""Sizes checked before anything is allocated, so that a hostile config, file or flag gets a
+one-line refusal instead of taking the machine down."""
+
+import os
+
+from .errors import InfMoEError
+
+MAX_CONFIG_BYTES = 1 << 20      # a config.json is a few hundred bytes
+MAX_TEXT_BYTES = 1 << 28        # text to train on or score: 256 MiB (the stdlib corpus is ~30 MiB)
+# Share of the memory available now that one command may plan to use.
+USABLE_SHARE = 0.8
+
+
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse when nbytes exceeds the usable share of the memory available now."""
+    usable = int(available_bytes() * USABLE_SHARE)
+    if nbytes > usable:
+        raise InfMoEError(f"{what} needs about {nbytes / 2**30:.3g} GiB, more than the {usable / 2**30:.3g} GiB "
+                          "of memory available")
+
+
+def check_file_size(path, limit: int, what: str) -> int:
+    """The file's size, refused above limit (before reading it: a huge or sparse file)."""
+    size = os.stat(path).st_size
+    if size > limit:
+        raise InfMoEError(f"{what} {path} is {size / 2**20:.3g} MiB, more than the {limit / 2**20:.3g} MiB accepted")
+    return size
+
+
+def forward_bytes(config, batch: int, seq: int, k: int) -> int:
+    """A generous estimate of one reference forward's working memory (float32): per token the
+    K starts and noise, the H-wide coverage and hidden activations, the logits, the residual
+    stream, and the whole KV cache."""
+    per_token = 24 * k + 16 * config.ffn_hidden + 8 * config.vocab_size + 64 * config.d_model
+    cache = 8 * config.n_layer * config.d_model
+    return batch * seq * (per_token + cache)
