@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/gpu_triton.py            # on a machine with a CUDA GPU
     .venv/bin/python benchmarks/gpu_triton.py --interpret --tiny   # logic smoke test on a CPU
 
-1. Checks the kernel (both modes) against the reference op on the GPU, float32 and float16.
+1. Checks the kernel (both modes) against the reference op on the GPU, float32 and float16, and
+   that the driver loads the PTX the TensorRT AOT plugin bakes into engines (infmoe_trt.compile:
+   this GPU's capability, the PTX ISA version of this driver).
 2. Times one decode token (batch 1) of a GPT-2-Small-size layer (D 768, H 6144, r 1536) for
    K = 1, 2, 4, 8: the kernel against the dense-masked PyTorch computation (the reference op,
    all H units). Bandwidth = bytes the op must read (the union of the windows' rows of w_in and
@@ -20,9 +22,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args():
@@ -40,9 +39,7 @@ if args.interpret:
 import torch  # noqa: E402
 
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts  # noqa: E402
-from infmoe_export.runtimes.tensorrt import import_infmoe_trt  # noqa: E402
-
-kernel = import_infmoe_trt("kernel")
+from infmoe_trt import kernel  # noqa: E402
 device = "cpu" if args.interpret else "cuda"
 if not args.interpret and not torch.cuda.is_available():
     print("gpu_triton: no CUDA GPU visible to torch (this benchmark needs one; "
@@ -103,6 +100,33 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
                       f"{'ok' if ok else 'FAIL'}")
                 if not ok:
                     failures.append((str(dtype), tokens, k, mode, err))
+
+
+
+def ptx_loads(dtype: str) -> str:
+    """Compile the engines' kernel as the AOT plugin does and load it with cuModuleLoadData in
+    torch's (current) context: '' when the driver accepts it, else the error."""
+    import ctypes
+
+    from infmoe_trt.compile import compile_ptx
+
+    compiled = compile_ptx(dtype, H=H, D=D, R=R, K=2)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    module = ctypes.c_void_p()
+    status = cuda.cuModuleLoadData(ctypes.byref(module), compiled["ptx"].encode() + b"\0")
+    if status:
+        return f"cuModuleLoadData failed with CUresult {status} (PTX ISA {compiled['ptx_version']})"
+    cuda.cuModuleUnload(module)
+    return ""
+
+
+if device == "cuda":
+    torch.zeros(1, device=device)  # makes torch's context current for the driver API
+    for dtype in ("fp32", "fp16"):
+        problem = ptx_loads(dtype)
+        print(f"check AOT PTX {dtype} loads in this driver: {'ok' if not problem else 'FAIL ' + problem}")
+        if problem:
+            failures.append(("ptx", dtype, problem))
 
 # ---------------------------------------------------------------------------------------------
 # 2. Batch-1 decode bandwidth

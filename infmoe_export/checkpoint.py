@@ -20,6 +20,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_CHECKPOINT = Path(__file__).parent / "default_model"
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names
+TENSORS_PER_MODEL, TENSORS_PER_LAYER = 4, 16  # SPEC §2's table
 
 
 def expected_shapes(config: InfMoEConfig) -> dict:
@@ -62,11 +63,16 @@ def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise InfMoEError(f"{path} is not a checkpoint: {WEIGHTS_FILE} is missing")
-    expected = expected_shapes(config)
-    # Names, shapes and dtypes come from the header: all are checked before any tensor is read.
+    # Names, shapes and dtypes come from the header: all are checked before any tensor is read,
+    # and the count first, so a config claiming a million layers costs nothing.
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             names = set(f.keys())
+            most = (len(names) - TENSORS_PER_MODEL) // TENSORS_PER_LAYER + 1
+            if config.n_layer > most:
+                raise InfMoEError(f"{weights_path} holds {len(names)} tensors, too few for config.json's n_layer = "
+                                  f"{config.n_layer}")
+            expected = expected_shapes(config)
             missing = [name for name in expected if name not in names]
             if missing:
                 raise InfMoEError(f"{weights_path}: missing tensor {missing[0]!r}")

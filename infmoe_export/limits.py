@@ -2,6 +2,7 @@
 one-line refusal instead of taking the machine down."""
 
 import os
+import resource
 
 from .errors import InfMoEError
 
@@ -11,16 +12,31 @@ MAX_TEXT_BYTES = 1 << 28        # text to train on or score: 256 MiB (the stdlib
 USABLE_SHARE = 0.8
 
 
+# A cap the user sets for a shared machine or CI (GiB, e.g. INFMOE_MAX_MEMORY_GIB=2).
+CAP_VARIABLE = "INFMOE_MAX_MEMORY_GIB"
+
+
 def available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else the physical memory."""
+    """The memory a command may plan with: MemAvailable from /proc/meminfo (else the physical
+    memory), lowered by the process's address-space limit and by $INFMOE_MAX_MEMORY_GIB."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        available = min(available, limit)
+    cap = os.environ.get(CAP_VARIABLE)
+    if cap:
+        try:
+            available = min(available, int(float(cap) * 2**30))
+        except ValueError:
+            raise InfMoEError(f"${CAP_VARIABLE} must be a number of GiB, got {cap!r}") from None
+    return available
 
 
 def check_fits(nbytes: int, what: str) -> None:

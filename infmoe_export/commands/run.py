@@ -1,5 +1,5 @@
-"""`infmoe-export run`: generate text in onnxruntime, streaming it; the bundled model is exported
-once into a cache."""
+"""`infmoe-export run`: generate text in onnxruntime (or a TensorRT engine, --engines), streaming
+it; the bundled model is exported once into a cache."""
 
 import codecs
 import os
@@ -13,11 +13,12 @@ import click
 
 from .. import __version__
 from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
-from ..contract import ExportedModel
+from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
+from ..options import SEED
 from ..export import DEFAULT_OPSET, export_onnx
 from ..files import sha256
-from ..runtimes.generate import generate
+from ..runtimes.generate import check_request, generate
 from ..runtimes.ort import OrtRunner
 from ..verify.validate import validate_onnx
 
@@ -51,32 +52,60 @@ def cached_export(checkpoint: Optional[Path] = None, k: Optional[int] = None) ->
     return ExportedModel.read(entry / "model.onnx")
 
 
+def engine_runner(engines: Path, k: Optional[int]):
+    """The TrtRunner of the engine for K in an engine folder; K may be left out when it holds one."""
+    from ..runtimes.tensorrt import TrtRunner, read_manifest, require_tensorrt, select_engine
+
+    require_tensorrt()
+    manifest = read_manifest(engines)
+    if k is None:
+        built = [entry["k"] for entry in manifest["engines"]]
+        if len(built) > 1:
+            raise InfMoEError(f"{engines} holds engines for K={', '.join(map(str, built))}: choose one with --k")
+        k = built[0]
+    entry = select_engine(manifest, k)
+    return TrtRunner(DecoderIO.from_metadata(entry["metadata"]), entry, name="trt")
+
+
 @click.command("run")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="An exported .onnx (default: the bundled model, exported once into the cache).")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Without --model: the checkpoint to export (default: the bundled model).")
-@click.option("--k", type=int, default=None, help="Without --model: the expert budget to export.")
+@click.option("--k", type=int, default=None,
+              help="Without --model: the expert budget to export (with --engines: the engine to run).")
 @click.option("--prompt", required=True, help="The text to continue.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Always the most likely byte (the default without --temperature/--top-k).")
 @click.option("--temperature", type=float, default=None, help="Sample at this temperature.")
 @click.option("--top-k", type=int, default=None, help="Sample among the k most likely bytes.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds sampling and sampled expert noise.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seeds sampling and sampled expert noise.")
 @click.option("--no-kernel", is_flag=True, help="Run ContinuousSliceFFN on the fallback function.")
-def run_command(model_path, checkpoint, k, prompt, max_new_tokens, greedy, temperature, top_k, seed, no_kernel):
-    """Generate text from an ONNX model in onnxruntime, streaming it as it comes."""
+@click.option("--engines", type=click.Path(path_type=Path), default=None,
+              help="Run a TensorRT engine from this folder (`infmoe-export trt`) instead; --k picks the engine.")
+def run_command(model_path, checkpoint, k, prompt, max_new_tokens, greedy, temperature, top_k, seed, no_kernel,
+                engines):
+    """Generate text from an ONNX model in onnxruntime (or a TensorRT engine), streaming it as it comes."""
     if greedy and (temperature is not None or top_k is not None):
         raise InfMoEError("--greedy cannot be combined with --temperature or --top-k")
-    if max_new_tokens < 0:
-        raise InfMoEError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
     if model_path is not None and (checkpoint is not None or k is not None):
         raise InfMoEError("--checkpoint and --k choose what to export; they cannot be combined with --model")
+    if engines is not None and (model_path is not None or checkpoint is not None or no_kernel):
+        raise InfMoEError("--engines runs a TensorRT engine; it cannot be combined with --model, --checkpoint "
+                          "or --no-kernel")
     sampling = temperature is not None or top_k is not None
-    model = ExportedModel.read(model_path) if model_path is not None else cached_export(checkpoint, k)
-    runner = OrtRunner(model.io, model, kernel=not no_kernel)
+    temperature = 1.0 if temperature is None else temperature
+    # The prompt's own bytes: a byte-level model takes any, UTF-8 or not (click hands over
+    # undecodable argument bytes as surrogate escapes; fsencode gives them back).
+    prompt_ids = os.fsencode(prompt)
+    if engines is not None:
+        runner = engine_runner(engines, k)
+    else:
+        model = ExportedModel.read(model_path) if model_path is not None else cached_export(checkpoint, k)
+        runner = OrtRunner(model.io, model, kernel=not no_kernel)
+    check_request(runner.io, prompt_ids, max_new_tokens, greedy=not sampling, temperature=temperature, top_k=top_k)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out = sys.stdout
 
@@ -84,8 +113,8 @@ def run_command(model_path, checkpoint, k, prompt, max_new_tokens, greedy, tempe
         out.write(decoder.decode(bytes([token])))
         out.flush()
 
-    out.write(prompt)
-    generate(runner, prompt.encode("utf-8"), max_new_tokens, greedy=not sampling,
-             temperature=1.0 if temperature is None else temperature, top_k=top_k, seed=seed, on_token=emit)
+    out.write(decoder.decode(prompt_ids))
+    generate(runner, prompt_ids, max_new_tokens, greedy=not sampling, temperature=temperature, top_k=top_k,
+             seed=seed, on_token=emit)
     out.write(decoder.decode(b"", final=True) + "\n")
     out.flush()

@@ -1,0 +1,155 @@
+"""The network TensorRT builds: the exported model checked and prepared for the plugin, the
+network's creation flags, and the optimization profiles.
+
+Everything here but `parse_network` works without TensorRT.
+"""
+
+from typing import Dict, List, Sequence
+
+import onnx
+
+from ...contract import BATCH, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, TOTAL, DecoderIO, ExportedModel
+from ...errors import InfMoEError
+
+# The initializer every ContinuousSliceFFN node's starts are reshaped with (pin_expert_budget).
+PINNED_K = "infmoe_trt_pinned_starts_shape"
+# starts is [batch, sequence, K] in every exported model (contract.py); Reshape's 0 keeps a dim.
+STARTS_LEADING_DIMS = (BATCH, SEQUENCE)
+
+
+def plugin_nodes(model: onnx.ModelProto, path) -> List[onnx.NodeProto]:
+    """The model's ContinuousSliceFFN nodes, refusing a model the parser would not map to the
+    plugin: a local function named like the op makes the parser expand it instead of using the
+    plugin, and the node needs the attributes the plugin lookup and the plugin itself read."""
+    if any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
+        raise InfMoEError(f"{path} carries the fallback function {DOMAIN}::{OP_TYPE}; TensorRT would expand it "
+                          "instead of using the plugin: export it with `infmoe-export onnx --no-function`")
+    nodes = []
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        if node.op_type != OP_TYPE:
+            raise InfMoEError(f"{path}: node {node.name!r} has unknown op {node.domain}::{node.op_type}")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        wanted = {"plugin_namespace": DOMAIN.encode(), "plugin_version": str(OP_VERSION).encode(),
+                  "activation": b"gelu_tanh"}
+        for name, value in wanted.items():
+            if attrs.get(name) != value:
+                raise InfMoEError(f"{path}: node {node.name!r} needs attribute {name}={value.decode()!r}, "
+                                  f"got {attrs.get(name)!r}")
+        if not isinstance(attrs.get("slice_width"), int):
+            raise InfMoEError(f"{path}: node {node.name!r} needs an integer attribute slice_width")
+        nodes.append(node)
+    return nodes
+
+
+def pin_expert_budget(model: onnx.ModelProto, k: int, path) -> int:
+    """Give every plugin node starts of static shape [..., K]: starts goes through a Reshape to
+    [0, 0, K] (0 keeps batch and sequence), so K is a build-time constant for the AOT kernel
+    even where TensorRT would not fold the quantile noise's Expand. Returns the number of
+    plugin nodes (at least one)."""
+    nodes = plugin_nodes(model, path)
+    if not nodes:
+        raise InfMoEError(f"{path} has no {DOMAIN}::{OP_TYPE} node: a TensorRT engine here is built for the "
+                          "plugin; export a model with the op (`infmoe-export onnx --no-function`)")
+    shape = [0] * len(STARTS_LEADING_DIMS) + [k]
+    model.graph.initializer.append(onnx.helper.make_tensor(PINNED_K, onnx.TensorProto.INT64, [len(shape)], shape))
+    graph = list(model.graph.node)
+    for node in nodes:
+        pinned = f"{node.input[1]}_k{k}_{node.name}"
+        reshape = onnx.helper.make_node("Reshape", [node.input[1], PINNED_K], [pinned], name=f"{node.name}_pin_k")
+        graph.insert(graph.index(node), reshape)
+        node.input[1] = pinned
+    del model.graph.node[:]
+    model.graph.node.extend(graph)
+    return len(nodes)
+
+
+def plugin_model(exported: ExportedModel) -> onnx.ModelProto:
+    """The exported model as TensorRT's parser gets it: checked, K pinned; weights stay where
+    they are (external data is read by the parser next to exported.path)."""
+    model = onnx.load(str(exported.path), load_external_data=False)
+    pin_expert_budget(model, exported.k, exported.path)
+    return model
+
+
+def creation_flags(trt, jit: bool) -> int:
+    """Network creation flags: strongly typed (every tensor keeps the type the model gives it,
+    so an fp16 export runs its FFN in float16 and its router, LayerNorms and attention in
+    float32), and which implementation of the plugin to use."""
+    flags = trt.NetworkDefinitionCreationFlag
+    chosen = [flags.PREFER_JIT_PYTHON_PLUGINS if jit else flags.PREFER_AOT_PYTHON_PLUGINS]
+    if hasattr(flags, "STRONGLY_TYPED"):  # always on, and deprecated, from TensorRT 11
+        chosen.append(flags.STRONGLY_TYPED)
+    mask = 0
+    for flag in chosen:
+        mask |= 1 << int(flag)
+    return mask
+
+
+def parse_network(exported: ExportedModel, jit: bool):
+    """(builder, network, parser) for the exported model (needs TensorRT). Polygraphy's
+    NetworkFromOnnxPath cannot set the plugin preference flags, so the network is made here."""
+    import tensorrt as trt
+    from polygraphy.backend.trt import util as trt_util
+
+    model = plugin_model(exported)
+    logger = trt_util.get_trt_logger()
+    builder = trt.Builder(logger)
+    network = builder.create_network(creation_flags(trt, jit))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(model.SerializeToString(), str(exported.path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        first = errors[0].splitlines()[0] if errors else "unknown error"
+        raise InfMoEError(f"TensorRT could not parse {exported.path}: {first}")
+    return builder, network, parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimization profiles
+
+
+def profile_shapes(io: DecoderIO, max_batch: int, max_seq: int) -> List[dict]:
+    """The prefill and decode profiles: {name, shapes: {input: {min, opt, max}}}.
+
+    prefill: sequence 1..max_seq with an empty cache; decode: one new token after a cache of
+    0..max_seq - 1 tokens (so past + new <= max_seq). Batch 1..max_batch; opt is batch 1, the
+    latency case, and half the longest sequence.
+    """
+    if max_batch < 1:
+        raise InfMoEError(f"--max-batch must be at least 1, got {max_batch}")
+    if not 1 <= max_seq <= io.config.n_positions:
+        raise InfMoEError(f"--max-seq must be in [1, {io.config.n_positions}] (the model's n_positions), "
+                          f"got {max_seq}")
+    half = max(1, max_seq // 2)
+    ranges = {"prefill": {BATCH: (1, 1, max_batch), SEQUENCE: (1, half, max_seq), PAST: (0, 0, 0),
+                          TOTAL: (1, half, max_seq)},
+              "decode": {BATCH: (1, 1, max_batch), SEQUENCE: (1, 1, 1), PAST: (0, half - 1, max_seq - 1),
+                         TOTAL: (1, half, max_seq)}}
+    if not io.past:  # no cache inputs: one profile, attention_mask spans the sequence only
+        ranges = {"prefill": ranges["prefill"]}
+    shapes = io.shapes()
+    profiles = []
+    for name, dims in ranges.items():
+        inputs = {}
+        for tensor in io.input_names:
+            bounds = [dims[d] if isinstance(d, str) else (d, d, d) for d in shapes[tensor]]
+            inputs[tensor] = {key: [b[i] for b in bounds] for i, key in enumerate(("min", "opt", "max"))}
+        profiles.append({"name": name, "shapes": inputs})
+    return profiles
+
+
+def pick_profile(profiles: List[dict], shapes: Dict[str, Sequence[int]]) -> int:
+    """Index of the first profile whose ranges hold every input shape."""
+    names = set(profiles[0]["shapes"])
+    if set(shapes) != names:
+        raise InfMoEError(f"the engine's inputs are {sorted(names)}, got {sorted(shapes)}")
+    for index, profile in enumerate(profiles):
+        if all(len(shapes[name]) == len(r["min"])
+               and all(lo <= s <= hi for lo, s, hi in zip(r["min"], shapes[name], r["max"]))
+               for name, r in profile["shapes"].items()):
+            return index
+    ranges = "; ".join(f"{p['name']}: " + ", ".join(f"{n} {r['min']}..{r['max']}" for n, r in p["shapes"].items())
+                       for p in profiles)
+    given = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
+    raise InfMoEError(f"input shapes ({given}) fit no optimization profile of the engine ({ranges})")
