@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-time set-up: a virtual environment in .venv with the package and its test tools, and the
-# onnxruntime custom-op library built from plugins/onnxruntime (skipped, with one line, when it
-# cannot be built: everything then runs on the ONNX fallback function).
+# One-time set-up: a virtual environment in .venv with the package (editable) and its test tools.
+# Installing the package builds the onnxruntime custom-op library from plugins/onnxruntime with
+# CMake (scikit-build-core); without a C++ compiler the package is installed without it and
+# everything runs on the ONNX fallback function (this script then says so).
 set -euo pipefail
 cd "$(dirname "$0")"
 python=${PYTHON:-python3}
@@ -10,7 +11,7 @@ python=${PYTHON:-python3}
 # torch is pinned first so that no later range pulls a CUDA build (see pyproject.toml).
 .venv/bin/pip install --quiet "torch==2.13.0"
 .venv/bin/pip install --quiet -e ".[dev]"
-if [ -x plugins/onnxruntime/build.sh ]; then
-  plugins/onnxruntime/build.sh || echo "setup: the onnxruntime kernel was not built; the fallback function will be used"
+if ! .venv/bin/python -c "import sys; from infmoe_export.runtimes.ort_kernel import custom_op_library; sys.exit(custom_op_library() is None)"; then
+  echo "setup: the onnxruntime kernel was not built (no C++ compiler or headers); the fallback function will be used"
 fi
 echo "setup: done. Try: .venv/bin/infmoe-export doctor"

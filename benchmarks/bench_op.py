@@ -29,6 +29,7 @@ import onnxruntime as ort
 import torch
 
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts
+from infmoe_export.export.function import op_model
 from infmoe_export.runtimes import ort_kernel
 
 D, H, R, LAYERS = 768, 6144, 1536, 12
@@ -106,7 +107,7 @@ def main():
                    b_out=random(D, scale=0.02)) for _ in range(LAYERS)]
     torch_layers = [{n: torch.from_numpy(v) for n, v in layer.items()} for layer in layers]
 
-    model = ort_kernel.op_model(R, with_function=True).SerializeToString()
+    model = op_model(R, with_function=True).SerializeToString()
     sessions = {}
     for name, use_kernel in (("kernel", True), ("fallback", False)):
         options = ort.SessionOptions()

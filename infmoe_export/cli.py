@@ -18,11 +18,12 @@ COMMANDS = {
     "eval": ("infmoe_export.commands.eval:eval_command", "Perplexity of a checkpoint per expert budget K."),
     "doctor": ("infmoe_export.commands.doctor:doctor_command", "What this machine can run: torch, onnxruntime, kernels, TensorRT."),
     "onnx": ("infmoe_export.commands.onnx:onnx_command", "Export a checkpoint to ONNX with the ContinuousSliceFFN op."),
-    "run": ("infmoe_export.commands.run:run_command", "Generate text from an ONNX model in onnxruntime."),
+    "run": ("infmoe_export.commands.run:run_command", "Generate text with onnxruntime (or a TensorRT engine), streaming it."),
     "trt": ("infmoe_export.commands.trt:trt_command", "Build one TensorRT engine per expert budget K."),
     "parity": ("infmoe_export.commands.parity:parity_command", "Parity of every backend against the PyTorch reference."),
     "bench": ("infmoe_export.commands.bench:bench_command", "Latency, throughput and memory per backend and K."),
     "pipeline": ("infmoe_export.commands.pipeline:pipeline_command", "The main job: export, validate, parity, latency, reports."),
+    "inspect": ("infmoe_export.commands.inspect:inspect_command", "What an ONNX model holds, what a tool broke, and the fix (--repair)."),
 }
 
 

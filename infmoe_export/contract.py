@@ -164,6 +164,11 @@ class DecoderIO:
             raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
 
 
+# An exported folder (`infmoe-export onnx --out DIR`) keeps the metadata in config.json too,
+# under this key, so a model whose metadata a tool dropped is still understood (see read).
+FOLDER_CONFIG, FOLDER_KEY = "config.json", "infmoe"
+
+
 def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
     """metadata_props of an ONNX file, without loading its weights."""
     if not os.path.isfile(path):
@@ -175,6 +180,24 @@ def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
 
+def folder_metadata(path: Union[str, os.PathLike]) -> Optional[Dict[str, str]]:
+    """The export's metadata kept in config.json beside the model (an exported folder), or None."""
+    config = Path(path).parent / FOLDER_CONFIG
+    try:
+        metadata = json.loads(config.read_text())[FOLDER_KEY]["metadata"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(metadata, dict) or "infmoe.config" not in metadata:
+        return None
+    return {str(k): str(v) for k, v in metadata.items()}
+
+
+def file_has_function(path: Union[str, os.PathLike]) -> bool:
+    """Whether the file holds the fallback function (metadata can claim one a tool dropped)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions)
+
+
 @dataclass(frozen=True)
 class ExportedModel:
     """An exported file, the DecoderIO it was made with and its metadata, read once."""
@@ -184,7 +207,15 @@ class ExportedModel:
 
     @classmethod
     def read(cls, path: Union[str, os.PathLike]) -> "ExportedModel":
+        """The model's own metadata; when a tool dropped it (graph surgeon, some converters) and
+        the model lies in an exported folder, the copy in its config.json. has_function is then
+        what the file holds, not what the copy says."""
         metadata = read_metadata(path)
+        if "infmoe.config" not in metadata:
+            metadata = folder_metadata(path) or metadata
+        if metadata.get("infmoe.has_function") == "1" and not file_has_function(path):
+            # e.g. saved by an onnxruntime session that had the kernel: the op stayed, the function went
+            metadata = {**metadata, "infmoe.has_function": "0", "infmoe.function_dropped": "1"}
         return cls(Path(path), DecoderIO.from_metadata(metadata), metadata)
 
     @property

@@ -113,7 +113,7 @@ def test_generate_bad_input(sampled_k2):
     runner = OrtRunner(ExportedModel.read(sampled_k2).io, sampled_k2, kernel=False)
     with pytest.raises(InfMoEError, match="prompt is empty"):
         generate(runner, b"", 3)
-    with pytest.raises(InfMoEError, match="more than n_positions"):
+    with pytest.raises(InfMoEError, match="no room for new ones"):
         generate(runner, b"x" * (TINY["n_positions"] + 1), 3)
     with pytest.raises(InfMoEError, match="temperature must be positive"):
         generate(runner, b"x", 3, greedy=False, temperature=0)

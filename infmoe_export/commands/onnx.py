@@ -1,5 +1,7 @@
 """`infmoe-export onnx`: export a checkpoint, then validate it in onnxruntime (on by default)."""
 
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import click
 from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
 from ..contract import DTYPES
 from ..errors import InfMoEError
-from ..files import output_file
+from ..files import output_dir, output_file, publish_dir
 from ..export import DEFAULT_OPSET, export_onnx
 from ..model import NOISE_MODES
 from ..runtimes import ort_kernel
@@ -18,7 +20,9 @@ from ..verify.validate import validate_onnx
 @click.command("onnx")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Checkpoint directory (default: the bundled model).")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="The .onnx file to write.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="A .onnx file, or a folder (any other name) in Optimum's layout for Hugging Face clients and "
+                   "onnxruntime-genai: model.onnx, config.json, tokenizer.json, genai_config.json (docs/interop.md).")
 @click.option("--k", type=int, default=None, help="Expert budget K (default: the checkpoint's num_samples).")
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
@@ -40,6 +44,16 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
             raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not installed; "
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
+        output_dir(out)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private; a published model folder is not
+        try:
+            _export_folder(staging, out, checkpoint, k, noise, no_past, opset, dtype, no_function, with_starts,
+                           atol, no_validate)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return
     output_file(out, inputs=[source / CONFIG_FILE, source / WEIGHTS_FILE])
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
@@ -57,3 +71,31 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
     if not report.passed:
         raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")
     click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)
+
+
+def _export_folder(staging, out, checkpoint, k, noise, no_past, opset, dtype, no_function, with_starts, atol,
+                   no_validate):
+    """`--out DIR`: model.onnx and the clients' files into staging, validated, then published to out
+    (published on a failed validation too, like the file: it is complete and loadable)."""
+    from ..export.hf_folder import MODEL_FILE, client_limitations, write_hf_folder
+
+    model = load_checkpoint(checkpoint)
+    start = time.perf_counter()
+    exported = export_onnx(model, staging / MODEL_FILE, k=k, noise=noise, past=not no_past, opset=opset,
+                           dtype=dtype, function=not no_function, with_starts=with_starts)
+    write_hf_folder(staging, exported, kernel_library=ort_kernel.custom_op_library() if no_function else None)
+    report = None
+    if not no_validate:
+        from rich.console import Console
+
+        report = validate_onnx(model, exported, atol=atol, raise_on_failure=False)
+        Console(stderr=True, width=120).print(report.table())
+    publish_dir(staging, out)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    click.echo(f"exported {out}/ ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
+    for note in client_limitations(exported):
+        click.echo(f"note: {note}", err=True)
+    if report is not None:
+        if not report.passed:
+            raise InfMoEError(f"validation of {out / MODEL_FILE} failed (folder kept): {report.problems[0]}")
+        click.echo(f"validated {out / MODEL_FILE}: all outputs within atol {report.atol:g}", err=True)

@@ -29,7 +29,7 @@ from ..report.bench import DEFAULT_PAST, run_bench
 from ..report.render import build_report, summary_table, write_report
 from ..report.timing import environment
 from ..runtimes import ort_kernel
-from ..runtimes.tensorrt import build_engines, tensorrt_available
+from ..runtimes.tensorrt import build_engines, tensorrt_problem
 from ..verify.parity import failure_line, run_parity
 from ..verify.validate import validate_onnx
 
@@ -144,9 +144,9 @@ def run_stages(console, work: Path, torch_model, checkpoint, ks, noises, max_win
         def tensorrt(advance):
             nonlocal engines
             advance("")
-            if not tensorrt_available():
-                return "skipped", ("TensorRT is not installed, no engines built "
-                                   "(pip install 'infmoe-export[tensorrt]' on a machine with an NVIDIA GPU)")
+            problem = tensorrt_problem()
+            if problem:
+                return "skipped", f"{problem}; no engines built"
             advance("exporting without the fallback function")
             folder = work / "engines"
             planned = {m.k: m for m in export_many(torch_model, folder / "onnx", ks, function=False, with_starts=True)}

@@ -151,6 +151,155 @@ def _rename_dims(graph: ir.Graph, decoder_io: DecoderIO):
                                     for d in value.shape])
 
 
+# ---------------------------------------------------------------------------------------------
+# Graph hygiene: what the ecosystem's tools (Netron, quantizers, symbolic shape inference, fp16
+# converters, graph surgeon) need from the file, beyond what onnxruntime needs.
+
+
+def _checkpoint_name(module_path: str) -> str:
+    """'model.h.0.moe.moe.w_in' (a path in _ExportModule) -> 'h.0.moe.w_in' (the checkpoint's key)."""
+    name = module_path[len("model."):] if module_path.startswith("model.") else module_path
+    return name.replace(".moe.moe.", ".moe.")
+
+
+def _name_initializers(graph: ir.Graph, module: nn.Module):
+    """Every weight named after its checkpoint tensor: 'h.0.moe.w_in' as is, 'h.0.attn.qkv.weight.T'
+    for the transposed copy that torch.onnx folds a Linear's weight into (it would be 'val_50').
+    Small constants (shapes, axes, the quantile noise) keep their names."""
+    params = {_checkpoint_name(name): p.detach() for name, p in module.named_parameters()}
+    by_shape = {}
+    for name, tensor in params.items():
+        by_shape.setdefault(tuple(tensor.shape), []).append((name, tensor))
+        if tensor.dim() == 2:
+            by_shape.setdefault(tuple(tensor.shape[::-1]), []).append((name + ".T", tensor.T))
+    taken = set(graph.initializers)
+    for old, value in list(graph.initializers.items()):
+        wanted = _checkpoint_name(old) if old.startswith("model.") else None
+        if wanted is None and value.const_value is not None and value.const_value.size > 1:
+            array = value.const_value.numpy()
+            for name, tensor in by_shape.get(array.shape, []):
+                if array.dtype.kind == "f" and torch.equal(torch.from_numpy(array.copy()).to(tensor.dtype), tensor):
+                    wanted = name
+                    break
+        if wanted and wanted != old and wanted not in taken:
+            graph.initializers.pop(old)
+            value.name = wanted
+            graph.register_initializer(value)
+            taken.add(wanted)
+
+
+def _name_nodes(graph: ir.Graph):
+    """Nodes named by module path and op, as Hugging Face exports are ('/h.0/attn/qkv/MatMul'),
+    from torch.onnx's name scopes; then every per-node metadata entry (stack traces, FX node
+    text, the exporting machine's paths: ~220 kB on the bundled model) is dropped."""
+    used = set()
+    for node in graph.all_nodes():
+        scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+        parts = []
+        if scopes:
+            try:
+                paths = [_checkpoint_name(p) for p in eval(scopes, {"__builtins__": {}}) if isinstance(p, str)]
+            except Exception:  # a format we do not know: keep the exporter's name
+                paths = []
+            modules = [p for p in paths[:-1] if p and p != "model" and not p.startswith("_")]  # last: the op
+            previous = ""
+            for path in modules:
+                relative = path[len(previous) + 1:] if previous and path.startswith(previous + ".") else path
+                if path != previous:
+                    parts.append(relative)
+                previous = path
+        if parts or scopes:
+            base = "/" + "/".join(parts + [node.op_type])
+            name, n = base, 0
+            while name in used:
+                n += 1
+                name = f"{base}_{n}"
+            node.name = name
+        used.add(node.name)
+        node.metadata_props.clear()
+        node.doc_string = None
+    for value in [*graph.inputs, *graph.outputs, *graph.initializers.values(),
+                  *(out for node in graph.all_nodes() for out in node.outputs)]:
+        value.metadata_props.clear()
+        value.doc_string = None
+    graph.metadata_props.clear()
+    graph.doc_string = None
+
+
+def _outputs_not_consumed(graph: ir.Graph):
+    """A graph output that other nodes also read (present.i.* feeds the attention MatMul) breaks
+    tools that rewrite outputs (onnxconverter_common's float16 inserts a Cast there): give each
+    such output its own Identity, so a graph output is produced and never consumed."""
+    for index, value in enumerate(list(graph.outputs)):
+        if not value.uses() or value.producer() is None:
+            continue
+        name = value.name
+        value.name = f"{name}.internal"
+        identity = ir.Node("", "Identity", [value], num_outputs=1, name=f"/output/{name}/Identity")
+        out = identity.outputs[0]
+        out.name, out.shape, out.type = name, value.shape, value.type
+        graph.insert_after(value.producer(), identity)
+        graph.outputs[index] = out
+
+
+def _slice_positions_from_the_end(graph: ir.Graph, decoder_io: DecoderIO):
+    """Position ids are cumsum(attention_mask)[:, past_sequence:]; torch.onnx slices from
+    Shape(past_key_values.0.key)[2]. onnxruntime's symbolic shape inference (quant_pre_process,
+    the transformers optimizer) reads the mask's dim 'past_sequence + sequence' as one symbol and
+    cannot simplify (past_sequence + sequence) - past_sequence to sequence, so inference stops
+    ('Incomplete symbolic shape inference'). Slicing [:, -sequence:] is the same slice (the mask
+    has past + sequence columns) and infers to [batch, sequence]."""
+    if not decoder_io.past:
+        return
+    input_ids = graph.inputs[0]
+    mask = graph.inputs[1]
+    past_inputs = {v for v in graph.inputs if v.name.startswith("past_key_values.")}
+
+    def from_past_length(value) -> bool:
+        # Shape(past, start=2, end=3), possibly through a Squeeze/Reshape/Cast of that
+        seen = 0
+        while value is not None and value.producer() is not None and seen < 4:
+            node = value.producer()
+            if node.op_type == "Shape":
+                attrs = node.attributes
+                start = attrs["start"].value if "start" in attrs else 0
+                return node.inputs[0] in past_inputs and start == 2
+            if node.op_type not in ("Squeeze", "Unsqueeze", "Reshape", "Cast"):
+                return False
+            value, seen = node.inputs[0], seen + 1
+        return False
+
+    def depends_on_mask(value) -> bool:
+        stack, seen = [value], set()
+        while stack:
+            v = stack.pop()
+            if v is mask:
+                return True
+            if v is None or id(v) in seen or v.producer() is None:
+                continue
+            seen.add(id(v))
+            stack.extend(v.producer().inputs)
+        return False
+
+    sequence = None
+    for node in list(graph):
+        if node.op_type != "Slice" or len(node.inputs) < 4 or not from_past_length(node.inputs[1]):
+            continue
+        if not depends_on_mask(node.inputs[0]):
+            continue
+        axes = node.inputs[3].const_value.numpy().tolist() if node.inputs[3].const_value is not None else None
+        if axes not in ([1], [-1]):
+            continue
+        if sequence is None:
+            shape = ir.Node("", "Shape", [input_ids], attributes=[ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)],
+                            name="/positions/Shape")
+            neg = ir.Node("", "Neg", shape.outputs, name="/positions/Neg")
+            shape.outputs[0].name, neg.outputs[0].name = "sequence_length", "minus_sequence_length"
+            graph.insert_before(node, [shape, neg])
+            sequence = neg.outputs[0]
+        node.replace_input_with(1, sequence)
+
+
 def _save_atomic(model: ir.Model, path: Path, external: bool):
     """Write into a temporary directory beside path, then rename: no partial file on failure."""
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -196,6 +345,11 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
 
     onnx_model = program.model
     _rename_dims(onnx_model.graph, decoder_io)
+    _name_initializers(onnx_model.graph, module)
+    _name_nodes(onnx_model.graph)
+    _outputs_not_consumed(onnx_model.graph)
+    _slice_positions_from_the_end(onnx_model.graph, decoder_io)
+    onnx_model.graph.sort()
     has_function = function and not config.is_dense  # a dense model has no custom op to fall back from
     if has_function:
         fn = ir_function(opset)

@@ -1,55 +1,61 @@
 """The compiled onnxruntime kernel for `infmoe::ContinuousSliceFFN` (plugins/onnxruntime).
 
-Find it, build it, register it on a SessionOptions. When the library is absent, every model
-still runs on its ONNX fallback function (SPEC §4), only more slowly; `register` says so once.
+The library is built by the package build (pip install / pip wheel: scikit-build-core runs
+CMake) and installed as infmoe_export/lib/libinfmoe_ort.so; nothing is built or written here at
+run time. `register` puts it on a SessionOptions. When the library is absent (the build found no
+compiler), every model still runs on its ONNX fallback function (SPEC §4), only more slowly, and
+`register` says so once.
 """
 
+import importlib.metadata
+import importlib.resources
 import os
 import pathlib
-import subprocess
 import warnings
 from typing import Optional
 
-from ..errors import InfMoEError
-
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
-REPO_DIR = PACKAGE_DIR.parent
-# build.sh copies the Release library here (git-ignored); INFMOE_ORT_LIBRARY overrides it.
-LIBRARY_PATH = PACKAGE_DIR / "lib" / "libinfmoe_ort.so"
-BUILD_SCRIPT = REPO_DIR / "plugins" / "onnxruntime" / "build.sh"
-ENV_VAR = "INFMOE_ORT_LIBRARY"
+ENV_VAR = "INFMOE_ORT_LIBRARY"  # overrides the installed library (e.g. the ASan build)
+LIBRARY_NAME = "libinfmoe_ort.so"
+LIBRARY_PATH = "infmoe_export/lib/" + LIBRARY_NAME  # its place in the wheel and site-packages
+DISTRIBUTION = "infmoe-export"
 
 _warned = False
 
 
+def _installed_library() -> Optional[pathlib.Path]:
+    """Where the package build installed the library, or None.
+
+    Two places, in order: the distribution's own file list (RECORD), which names the library in
+    site-packages for a wheel install and for an editable one, whose Python files stay in the
+    source tree (also when the source tree shadows the installed package on sys.path); then next
+    to the imported package (a wheel unpacked without metadata, e.g. on PYTHONPATH)."""
+    # Every distribution of that name on sys.path: a stale *.egg-info in the working directory
+    # (left by an old setuptools build) must not hide the installed one.
+    files = [file for dist in importlib.metadata.distributions(name=DISTRIBUTION) for file in dist.files or []]
+    for file in files:
+        if file.as_posix() == LIBRARY_PATH:
+            path = pathlib.Path(file.locate()).resolve()
+            if path.is_file():
+                return path
+    beside = importlib.resources.files("infmoe_export") / "lib" / LIBRARY_NAME
+    if beside.is_file():
+        return pathlib.Path(str(beside))
+    return None
+
+
 def custom_op_library() -> Optional[pathlib.Path]:
-    """The library to load: $INFMOE_ORT_LIBRARY if set, else the built one, else None."""
+    """The library to load: $INFMOE_ORT_LIBRARY if set, else the installed one, else None."""
     override = os.environ.get(ENV_VAR)
     if override:
         return pathlib.Path(override)
-    return LIBRARY_PATH if LIBRARY_PATH.is_file() else None
-
-
-def build_kernel(quiet: bool = True) -> pathlib.Path:
-    """Build the library with plugins/onnxruntime/build.sh and return its path."""
-    if not BUILD_SCRIPT.is_file():
-        raise InfMoEError(f"cannot build the onnxruntime kernel: {BUILD_SCRIPT} is missing "
-                          "(not a source checkout)")
-    captured = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if quiet else {}
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], **captured)
-    if result.returncode != 0:
-        last = (result.stdout or "").strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
-        raise InfMoEError(f"building the onnxruntime kernel failed: {last[0]}")
-    if not LIBRARY_PATH.is_file():
-        raise InfMoEError(f"building the onnxruntime kernel did not produce {LIBRARY_PATH}")
-    return LIBRARY_PATH
+    return _installed_library()
 
 
 def _fall_back(reason: str):
     global _warned
     if not _warned:
         warnings.warn(f"{reason}; ContinuousSliceFFN runs on the slower ONNX fallback function "
-                      "(build the kernel with plugins/onnxruntime/build.sh)", stacklevel=3)
+                      "(reinstall the package with a C++ compiler to build the kernel)", stacklevel=3)
         _warned = True
 
 
@@ -58,7 +64,7 @@ def register(session_options) -> bool:
     does not load (said once per process): the model then runs on its fallback function."""
     library = custom_op_library()
     if library is None or not library.is_file():
-        where = f"{ENV_VAR}={library}" if library is not None else str(LIBRARY_PATH)
+        where = f"{ENV_VAR}={library}" if library is not None else f"no {LIBRARY_PATH} installed"
         _fall_back(f"onnxruntime kernel library not found ({where})")
         return False
     try:

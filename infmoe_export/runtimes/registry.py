@@ -77,10 +77,11 @@ def unavailable(backend: str, model: ExportedModel, engines: Optional[Path] = No
         if custom_op_library() is None:
             return "the compiled kernel is not installed (see docs/onnxruntime-kernel.md)"
     if backend == "trt":
-        from .tensorrt import tensorrt_available
+        from .tensorrt import tensorrt_problem
 
-        if not tensorrt_available():
-            return "TensorRT is not installed"
+        problem = tensorrt_problem()
+        if problem:
+            return problem
         if engines is None:
             return "no TensorRT engines given (--engines DIR from `infmoe-export trt`)"
         if model.noise != "quantile":

@@ -21,6 +21,7 @@ import onnxruntime as ort
 import torch
 
 from infmoe_export.model import continuous_slice_ffn
+from infmoe_export.export.function import op_model
 from infmoe_export.runtimes import ort_kernel
 
 NAMES = ("X", "starts", "w_in", "b_in", "w_out", "b_out")
@@ -97,7 +98,7 @@ def main():
             options.log_severity_level = 4  # the refused cases would each log an error line
             if not ort_kernel.register(options):
                 sys.exit("fuzz: the kernel library is not built")
-            model = ort_kernel.op_model(r, "float16" if dtype == np.float16 else "float32")
+            model = op_model(r, "float16" if dtype == np.float16 else "float32")
             sessions[key] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return sessions[key]
 

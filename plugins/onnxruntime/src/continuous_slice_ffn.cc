@@ -7,6 +7,10 @@
 //    fixed blocks of hidden units whose partial outputs are summed in block order.
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
 // so every bit of the result) is the same for any number of threads.
+//
+// This file is compiled once per CPU variant (CMakeLists.txt: baseline, and on x86-64 also
+// -march=x86-64-v3 and -march=x86-64-v4), each copy in its own namespace infmoe::INFMOE_VARIANT;
+// dispatch.cc picks one at run time. Why the copies cannot leak into each other: see CMakeLists.txt.
 #include "continuous_slice_ffn.h"
 
 #include <Eigen/Core>
@@ -14,7 +18,12 @@
 #include <numeric>
 #include <vector>
 
+#ifndef INFMOE_VARIANT
+#error "compile with -DINFMOE_VARIANT=<name> (see CMakeLists.txt)"
+#endif
+
 namespace infmoe {
+namespace INFMOE_VARIANT {
 namespace {
 
 using Index = Eigen::Index;
@@ -198,9 +207,8 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, c
 }  // namespace
 
 template <typename T>
-void ContinuousSliceFFN(const Sizes& s, const T* x, const int64_t* starts, const T* w_in,
-                        const T* b_in, const T* w_out, const T* b_out, T* y,
-                        const ParallelFor& parallel_for) {
+void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
+         const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   if (s.tokens == 0) return;
   if (s.tokens <= kDecodeMaxTokens) {
     Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
@@ -209,11 +217,11 @@ void ContinuousSliceFFN(const Sizes& s, const T* x, const int64_t* starts, const
   }
 }
 
-template void ContinuousSliceFFN<float>(const Sizes&, const float*, const int64_t*, const float*,
-                                        const float*, const float*, const float*, float*,
-                                        const ParallelFor&);
-template void ContinuousSliceFFN<uint16_t>(const Sizes&, const uint16_t*, const int64_t*,
-                                           const uint16_t*, const uint16_t*, const uint16_t*,
-                                           const uint16_t*, uint16_t*, const ParallelFor&);
+template void Run<float>(const Sizes&, const float*, const int64_t*, const float*, const float*,
+                         const float*, const float*, float*, const ParallelFor&);
+template void Run<uint16_t>(const Sizes&, const uint16_t*, const int64_t*, const uint16_t*,
+                            const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
+                            const ParallelFor&);
 
+}  // namespace INFMOE_VARIANT
 }  // namespace infmoe

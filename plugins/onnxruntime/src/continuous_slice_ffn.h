@@ -1,10 +1,12 @@
 // The CPU computation of infmoe::ContinuousSliceFFN (SPEC §3-4), free of onnxruntime types so
-// that the op glue (custom_op.cc) only validates, allocates and hands over a thread pool.
+// that the op glue (custom_op.cc) only validates, allocates and hands over a thread pool, and the
+// test driver (tests/driver.cc) can call it directly.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 
 namespace infmoe {
 
@@ -17,11 +19,23 @@ struct Sizes {
 // Results never depend on how the calls are spread over threads.
 using ParallelFor = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
 
+// Empty when every start lies in [0, h - r]; otherwise the message naming the first that does
+// not, e.g. "starts[5] = 40 is outside [0, 39] (H = 48, slice_width = 9)". Callers must check
+// this (and 1 <= r <= h, k >= 1) before calling ContinuousSliceFFN.
+std::string CheckStarts(const int64_t* starts, const Sizes& sizes);
+
 // Element types: float, or IEEE half stored as uint16_t (computed in float).
 // Preconditions (checked by the caller): shapes agree, 1 <= r <= h, every start in [0, h - r].
+// Runs the widest variant this CPU supports (see CpuVariant).
 template <typename T>
 void ContinuousSliceFFN(const Sizes& sizes, const T* x, const int64_t* starts, const T* w_in,
                         const T* b_in, const T* w_out, const T* b_out, T* y,
                         const ParallelFor& parallel_for);
+
+// The compiled variant ContinuousSliceFFN runs on this CPU: "avx512", "avx2" or "baseline"
+// (x86-64), "baseline" elsewhere. Chosen once, at the first call, with __builtin_cpu_supports;
+// the environment variable INFMOE_CPU_VARIANT can ask for a narrower one (tests, benchmarks),
+// never for one the CPU lacks.
+const char* CpuVariant();
 
 }  // namespace infmoe

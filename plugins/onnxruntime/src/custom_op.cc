@@ -56,14 +56,9 @@ infmoe::Sizes CheckShapes(const std::vector<std::vector<int64_t>>& shapes, int64
   return {tokens, d, h, k, r};
 }
 
-void CheckStarts(const int64_t* starts, const infmoe::Sizes& s) {
-  const int64_t last = s.h - s.r;
-  for (int64_t i = 0; i < s.tokens * s.k; ++i) {
-    if (starts[i] < 0 || starts[i] > last) {
-      Fail("starts[" + std::to_string(i) + "] = " + std::to_string(starts[i]) + " is outside [0, " +
-           std::to_string(last) + "] (H = " + std::to_string(s.h) + ", slice_width = " + std::to_string(s.r) + ")");
-    }
-  }
+void RequireValidStarts(const int64_t* starts, const infmoe::Sizes& s) {
+  const std::string problem = infmoe::CheckStarts(starts, s);
+  if (!problem.empty()) Fail(problem);
 }
 
 // Attributes shared by the CPU and CUDA kernels.
@@ -122,7 +117,7 @@ struct CpuKernel {
       const Inputs inputs(context);
       const infmoe::Sizes sizes = CheckShapes(inputs.shapes, attributes.slice_width);
       const int64_t* starts = inputs.values[1].GetTensorData<int64_t>();
-      CheckStarts(starts, sizes);
+      RequireValidStarts(starts, sizes);
       Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
 
       const infmoe::ParallelFor parallel_for = [&](size_t n, const std::function<void(size_t)>& body) {
@@ -153,7 +148,7 @@ struct CudaKernel {
       const int64_t* starts = inputs.values[1].GetTensorData<int64_t>();
       std::vector<int64_t> host_starts(sizes.tokens * sizes.k);
       infmoe::cuda::CopyToHost(starts, static_cast<int64_t>(host_starts.size()), host_starts.data(), stream);
-      CheckStarts(host_starts.data(), sizes);
+      RequireValidStarts(host_starts.data(), sizes);
       Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
       auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs.values[i].GetTensorRawData()); };
       infmoe::cuda::ContinuousSliceFFN<T>(sizes, data(0), starts, data(2), data(3), data(4), data(5),

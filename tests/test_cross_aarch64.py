@@ -1,0 +1,52 @@
+"""The kernel's CPU computation through its C++ test driver (plugins/onnxruntime/tests/driver.cc),
+against fresh reference data from the PyTorch reference op: cross-compiled for aarch64 (armv8-a)
+and run under qemu-aarch64, and built natively, where every CPU variant the machine supports runs
+(and, when qemu-x86_64 exists, the portable baseline under a CPU model without AVX)."""
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+PLUGIN = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "onnxruntime"
+SCRIPT = PLUGIN / "cross_test.sh"
+WRITER = PLUGIN / "tests" / "write_reference.py"
+
+
+def headers_or_skip():
+    if not (PLUGIN / "third_party" / ".complete").is_file():
+        pytest.skip("no kernel headers in plugins/onnxruntime/third_party (the package build fetches them); "
+                    "the test does not download them")
+
+
+def run(target, tmp_path, tools):
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    headers_or_skip()
+    cases = tmp_path / "cases.bin"
+    written = subprocess.run([sys.executable, str(WRITER), str(cases)], capture_output=True, text=True, check=True)
+    count = int(re.search(r"(\d+) cases", written.stdout).group(1))
+    result = subprocess.run(["bash", str(SCRIPT), target, str(cases)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = re.findall(r"driver: (\d+) of (\d+) cases passed \(variant (\w+)\)", result.stdout)
+    assert summaries and all(int(passed) == int(total) == count for passed, total, _ in summaries), result.stdout
+    return result.stdout, [variant for *_, variant in summaries]
+
+
+def test_aarch64_under_qemu(tmp_path):
+    out, variants = run("aarch64", tmp_path, ["aarch64-linux-gnu-g++", "qemu-aarch64", "cmake"])
+    assert "AArch64 ELF" in out
+    assert variants == ["baseline"]
+    assert "refused: starts[0] = -1 is outside" in out
+
+
+def test_native_every_variant(tmp_path):
+    out, variants = run("native", tmp_path, ["c++", "cmake"])
+    assert "baseline" in variants
+    assert len(variants) == len(set(variants)) + ("qemu64" in out)  # one run per supported variant (+ qemu64)
+    if "qemu64" in out:
+        assert variants[-1] == "baseline"
