@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import InfMoEError
+from .limits import check_fits
 
 NOISE_MODES = ("quantile", "sampled")
 ACTIVATIONS = ("gelu_tanh",)
@@ -63,6 +64,13 @@ class InfMoEConfig:
         eps = self.layer_norm_eps
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
             raise InfMoEError(f"config key 'layer_norm_eps' must be a float in (0, 1), got {eps!r}")
+        check_fits(4 * self.parameter_count(), f"a model of this config ({self.parameter_count():,} parameters)")
+
+    def parameter_count(self) -> int:
+        """Parameters of the model, from the config alone (SPEC §2's tensor table)."""
+        V, P, D, H, L = self.vocab_size, self.n_positions, self.d_model, self.ffn_hidden, self.n_layer
+        per_layer = 4 * D + (3 * D * D + 3 * D) + (D * D + D) + 2 * (D + 1) + 2 * H * D + H + D
+        return V * D + P * D + 2 * D + L * per_layer
 
     @property
     def head_dim(self) -> int:
@@ -94,7 +102,17 @@ class InfMoEConfig:
 # The ∞-MoE layer
 
 
+# GPT-2's tanh GELU, act(a) = 0.5 a (1 + tanh(GELU_TANH_C (a + GELU_TANH_CUBIC a^3))). The one
+# definition of its constants in Python: the fallback ONNX function and the Triton kernel import
+# them; the C++ and CUDA kernels carry the same literals (docs/spec.md §6.5).
+GELU_TANH_C = math.sqrt(2.0 / math.pi)  # 0.7978845608028654
+GELU_TANH_CUBIC = 0.044715
+
+
 def gelu_tanh(a: torch.Tensor) -> torch.Tensor:
+    """act(a) above. torch's approximate="tanh" kernel evaluates exactly this formula with these
+    two constants (kBeta = sqrt(2) * 2/sqrt(pi) * 0.5, kKappa = 0.044715); tests/test_model.py
+    checks it against the formula written out."""
     return F.gelu(a, approximate="tanh")
 
 
@@ -112,10 +130,11 @@ def window_starts(z: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.T
 
 
 def coverage(starts: torch.Tensor, ffn_hidden: int, slice_width: int, dtype=torch.float32) -> torch.Tensor:
-    """c_i = (number of windows [s_k, s_k + r) covering unit i) / K, shape [..., H].
+    """c_i = n_i / K with n_i = #{k : s_k <= i < s_k + r}, the windows covering unit i; [..., H].
 
-    Each window adds +1 at its start and -1 past its end; a running sum over H counts the
-    windows covering each unit (exact in float32), in O(H) per token instead of O(K H)."""
+    Form (docs/spec.md §6.3): a difference array. Each window adds +1 at its start and
+    -1 one past its end; the running sum over units is n_i (exact: small integers in float),
+    in O(H + K) per token instead of O(K H). Divided by K once, as the definition says."""
     ones = torch.ones(starts.shape, dtype=dtype, device=starts.device)
     edges = torch.zeros(*starts.shape[:-1], ffn_hidden + 1, dtype=dtype, device=starts.device)
     edges.scatter_add_(-1, starts, ones).scatter_add_(-1, starts + slice_width, -ones)
@@ -152,17 +171,63 @@ class StraightThroughWindow(torch.autograd.Function):
         return grad_t, None, None, None, None
 
 
-def continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width: int) -> torch.Tensor:
-    """The expert part of the ∞-MoE layer, op `infmoe::ContinuousSliceFFN` (SPEC §4).
+def _shape(tensor) -> list:
+    return list(tensor.shape)
+
+
+def check_op_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation="gelu_tanh"):
+    """The op's validation rules (docs/spec.md §6.1), in their order; returns (H, D, K).
+
+    The one Python copy: the reference below and the Triton launcher both call it. Raises
+    InfMoEError with one line naming the first rule broken."""
+    def refuse(message):
+        raise InfMoEError(f"ContinuousSliceFFN: {message}")
+
+    # 1. shapes
+    if x.dim() < 1:
+        refuse(f"X must have shape [..., D], got {_shape(x)}")
+    D = x.shape[-1]
+    if w_in.dim() != 2 or w_in.shape[1] != D:
+        refuse(f"w_in must have shape [H, {D}], got {_shape(w_in)}")
+    H = w_in.shape[0]
+    for name, tensor, shape in (("b_in", b_in, [H]), ("w_out", w_out, [H, D]), ("b_out", b_out, [D])):
+        if _shape(tensor) != shape:
+            refuse(f"{name} must have shape {shape}, got {_shape(tensor)}")
+    if starts.dim() != x.dim() or starts.shape[:-1] != x.shape[:-1]:
+        refuse(f"starts must have shape {_shape(x)[:-1]} + [K], got {_shape(starts)}")
+    # 2. activation, 3. slice_width, 4. K
+    if activation not in ACTIVATIONS:
+        refuse(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    if isinstance(slice_width, bool) or not isinstance(slice_width, int) or not 1 <= slice_width <= H:
+        refuse(f"slice_width must be an integer in [1, {H}], got {slice_width!r}")
+    K = starts.shape[-1]
+    if K < 1:
+        refuse(f"starts must hold K >= 1 windows per token, got shape {_shape(starts)}")
+    # 5. every start in [0, H - r]
+    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > H - slice_width):
+        refuse(f"starts must lie in [0, {H - slice_width}], got values in [{int(starts.min())}, {int(starts.max())}]")
+    # 6. dtypes
+    if starts.dtype != torch.int64:
+        refuse(f"starts must be int64, got {starts.dtype}")
+    if not x.dtype.is_floating_point:
+        refuse(f"X must be a floating-point tensor, got {x.dtype}")
+    for name, tensor in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out), ("b_out", b_out)):
+        if tensor.dtype != x.dtype:
+            refuse(f"{name} must have X's dtype {x.dtype}, got {tensor.dtype}")
+    return H, D, K
+
+
+def continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width: int,
+                         activation: str = "gelu_tanh") -> torch.Tensor:
+    """The expert part of the ∞-MoE layer, op `infmoe::ContinuousSliceFFN` (docs/spec.md).
 
     Computed in the union/coverage form: every unit's pre-activation is shared by all
     windows that cover it, so y = b_out + sum_i c_i * act(x . w_in[i] + b_in[i]) * w_out[i].
-    This reference evaluates all H units (dense-masked); the kernels touch only the union.
+    This reference evaluates all H units (dense-masked: c_i = 0 outside the union) in x's
+    dtype; the kernels touch only the union. Invalid input is refused (check_op_inputs).
     """
-    ffn_hidden = w_in.shape[0]
-    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > ffn_hidden - slice_width):
-        raise InfMoEError(f"starts must lie in [0, {ffn_hidden - slice_width}]")
-    hidden = gelu_tanh(F.linear(x, w_in, b_in)) * coverage(starts, ffn_hidden, slice_width, x.dtype)
+    H, _, _ = check_op_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation)
+    hidden = gelu_tanh(F.linear(x, w_in, b_in)) * coverage(starts, H, slice_width, x.dtype)
     return hidden @ w_out + b_out
 
 

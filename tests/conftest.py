@@ -1,12 +1,19 @@
 """Shared fixtures: a tiny odd-shaped config, random (never zero) models and checkpoints of it,
 and the CLI run in-process exactly as the console script runs it."""
 
-import pytest
-import torch
+import os
 
-from infmoe_export.checkpoint import save_checkpoint
-from infmoe_export.cli import main
-from infmoe_export.model import InfMoEConfig, InfMoEGPT
+# Triton kernels run in Triton's CPU interpreter in this test session. The mode is fixed when
+# triton is first imported (its own builtins are decorated then), so it is set here, before any
+# test module can import it; GPU checks that need compiled kernels run in a subprocess without it.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from infmoe_export.checkpoint import save_checkpoint  # noqa: E402
+from infmoe_export.cli import main  # noqa: E402
+from infmoe_export.model import InfMoEConfig, InfMoEGPT  # noqa: E402
 
 # Tests use tiny models, and the test machine is shared: one intra-op thread avoids the
 # oversubscription that made a 30-step tiny training run 15x slower with two.

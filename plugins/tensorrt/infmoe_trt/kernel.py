@@ -1,9 +1,19 @@
-"""ContinuousSliceFFN (SPEC §4) as one Triton kernel, shared by the TensorRT plugin and PyTorch.
+"""ContinuousSliceFFN (docs/spec.md) as one Triton kernel, shared by the TensorRT plugin and PyTorch.
 
-For every token the kernel visits the union of its K windows once: window k's rows are processed
-by window k only where no earlier window covers them, each with weight c_i = coverage / K. Rows
-outside the union are never loaded, so the bytes read are |union| x D x 2 weights, which is what
-a memory-bound batch-1 decode step costs at best.
+The algorithm is docs/spec.md's. For every token the kernel visits the union of its K windows
+once: window k's rows are processed by window k only where no earlier window covers them
+("ownership"), each with weight c_i = n_i / K where n_i counts the windows covering row i. Every
+union row has exactly one owner (the first window covering it) and no other row is owned, so the
+sum over owned rows is the sum over the union, each unit once, with the coverage of the
+definition. Rows outside the union are never loaded, so the bytes read are |union| x D x 2
+weights, which is what a memory-bound batch-1 decode step costs at best.
+
+Invalid input: the Python launcher refuses it (model.check_op_inputs: shapes, activation,
+slice_width, K, starts, dtypes) before any launch. Shapes, r and K are compile-time constants
+(compile.compile_ptx refuses impossible ones), so the only thing the device kernel itself can meet is a
+start outside [0, H - r] -- inside a TensorRT engine no host check runs. It then writes NaN to
+every element of that token's output row (never a finite number), and clamps the start only to
+keep its loads inside w_in / w_out.
 
 Two ways to split the work over programs (one kernel, a constexpr switch):
 
@@ -31,32 +41,52 @@ import triton
 import triton.language as tl
 
 from infmoe_export.errors import InfMoEError
+from infmoe_export.model import GELU_TANH_C, GELU_TANH_CUBIC, check_op_inputs
 
 # Fixed launch configuration of the COLUMNS mode (the one baked into TensorRT engines).
 COLUMNS_BLOCK_R, COLUMNS_BLOCK_D, NUM_WARPS = 32, 64, 4
 SPLIT_BLOCK_R, SPLIT_BLOCK_D = 8, 256  # untuned: no GPU was lent (see docs/tensorrt.md)
+# The GELU constants of model.py, as compile-time constants (a jit function reads only constexpr globals).
+_GELU_C = tl.constexpr(GELU_TANH_C)
+_GELU_CUBIC = tl.constexpr(GELU_TANH_CUBIC)
 
 
 @triton.jit
 def _gelu_tanh(a):
-    # 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))), tanh through exp; |u| <= 15 keeps exp finite
-    # and changes nothing in float32 (tanh(15) rounds to 1).
-    u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+    # 0.5 a (1 + tanh(C (a + CUBIC a^3))) with model.py's constants, tanh through exp;
+    # |u| <= 15 keeps exp finite and changes nothing in float32 (tanh(15) rounds to 1).
+    u = _GELU_C * (a + _GELU_CUBIC * a * a * a)
     u = tl.minimum(tl.maximum(u, -15.0), 15.0)
     return 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
 
 
 @triton.jit
 def _start(starts_ptr, token, k, H: tl.constexpr, R: tl.constexpr, K: tl.constexpr):
-    # Clamped, so that no start can make the kernel read outside w_in / w_out.
+    # Clamped only so that no start can make the kernel read outside w_in / w_out; a token with
+    # an out-of-range start gets a NaN row (_bad_token), so the clamped window never shows.
     s = tl.load(starts_ptr + token * K + k)
     return tl.minimum(tl.maximum(s, 0), H - R).to(tl.int32)
 
 
 @triton.jit
+def _bad_token(starts_ptr, token, H: tl.constexpr, R: tl.constexpr, K: tl.constexpr):
+    """True when any of the token's K starts lies outside [0, H - R] (compared as int64)."""
+    s = tl.load(starts_ptr + token * K)
+    bad = (s < 0) | (s > H - R)
+    for k in tl.static_range(1, K):
+        s = tl.load(starts_ptr + token * K + k)
+        bad = bad | (s < 0) | (s > H - R)
+    return bad
+
+
+@triton.jit
 def _owned_rows(starts_ptr, token, k, j, H: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                 BLOCK_R: tl.constexpr):
-    """Rows j*BLOCK_R.. of window k, which of them window k owns, and their weights c_i."""
+    """Rows j*BLOCK_R.. of window k, which of them window k owns, and their weights c_i.
+
+    Coverage, ownership-plus-count form: n_i counts the K windows containing row i (the
+    definition, an exact small integer) and c_i = n_i / K; the row is owned by the first window
+    containing it, so across k every union row is weighted once."""
     s_k = _start(starts_ptr, token, k, H, R, K)
     offsets = j * BLOCK_R + tl.arange(0, BLOCK_R)
     rows = s_k + offsets
@@ -101,6 +131,8 @@ def continuous_slice_ffn_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     row_blocks: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
+    # 0 for a valid token, NaN for one with an out-of-range start: added to what it writes.
+    poison = tl.where(_bad_token(starts_ptr, token, H, R, K), float("nan"), 0.0)
     if SPLIT:
         block = tl.program_id(1)
         rows, owned, weight = _owned_rows(starts_ptr, token, block // row_blocks, block % row_blocks,
@@ -109,8 +141,9 @@ def continuous_slice_ffn_kernel(
             h = _hidden(x_ptr, w_in_ptr, b_in_ptr, token, rows, owned, weight, D, BLOCK_D)
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
-                tl.atomic_add(y_ptr + token * D + cols, _contribution(w_out_ptr, rows, owned, h, cols, D),
-                              mask=cols < D)
+                # Window 0's first block always owns rows, so a bad token always receives a NaN.
+                tl.atomic_add(y_ptr + token * D + cols,
+                              _contribution(w_out_ptr, rows, owned, h, cols, D) + poison, mask=cols < D)
     else:
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         acc = tl.load(b_out_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -120,7 +153,7 @@ def continuous_slice_ffn_kernel(
                 if tl.sum(owned.to(tl.int32)) > 0:
                     h = _hidden(x_ptr, w_in_ptr, b_in_ptr, token, rows, owned, weight, D, BLOCK_D)
                     acc += _contribution(w_out_ptr, rows, owned, h, cols, D)
-        tl.store(y_ptr + token * D + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < D)
+        tl.store(y_ptr + token * D + cols, (acc + poison).to(y_ptr.dtype.element_ty), mask=cols < D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,39 +164,25 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width: int) -> Tuple[int, int, int]:
-    """SPEC §4's rules for the op's inputs; returns (H, D, K). Raises InfMoEError naming the problem."""
+def check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width: int, activation: str = "gelu_tanh",
+                 *, check_starts: bool = True) -> Tuple[int, int, int]:
+    """The op's validation rules (model.check_op_inputs, docs/spec.md) plus the kernel's own
+    limits (float32/float16, one device, CUDA or the interpreter); returns (H, D, K). Raises
+    InfMoEError naming the problem. check_starts=False skips only the start range, leaving it to
+    the device kernel (NaN rows), as inside a TensorRT engine; for tests of that path."""
+    if check_starts:
+        H, D, K = check_op_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation)
+    else:  # the same rules with every start replaced by a valid one (0)
+        H, D, K = check_op_inputs(x, torch.zeros_like(starts), w_in, b_in, w_out, b_out, slice_width, activation)
     if x.dtype not in (torch.float32, torch.float16):
         raise InfMoEError(f"ContinuousSliceFFN: X must be float32 or float16, got {x.dtype}")
-    if x.dim() < 1:
-        raise InfMoEError("ContinuousSliceFFN: X must have shape [..., D]")
-    D = x.shape[-1]
-    if w_in.dim() != 2 or w_in.shape[1] != D:
-        raise InfMoEError(f"ContinuousSliceFFN: w_in must have shape [H, {D}], got {list(w_in.shape)}")
-    H = w_in.shape[0]
-    for name, tensor, shape in (("b_in", b_in, [H]), ("w_out", w_out, [H, D]), ("b_out", b_out, [D])):
-        if list(tensor.shape) != shape:
-            raise InfMoEError(f"ContinuousSliceFFN: {name} must have shape {shape}, got {list(tensor.shape)}")
-    for name, tensor in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out), ("b_out", b_out)):
-        if tensor.dtype != x.dtype:
-            raise InfMoEError(f"ContinuousSliceFFN: {name} must have X's dtype {x.dtype}, got {tensor.dtype}")
-    if starts.dtype != torch.int64:
-        raise InfMoEError(f"ContinuousSliceFFN: starts must be int64, got {starts.dtype}")
-    if starts.dim() != x.dim() or starts.shape[:-1] != x.shape[:-1] or starts.shape[-1] < 1:
-        raise InfMoEError(f"ContinuousSliceFFN: starts must have shape {list(x.shape[:-1])} + [K] "
-                          f"with K >= 1, got {list(starts.shape)}")
-    if isinstance(slice_width, bool) or not isinstance(slice_width, int) or not 1 <= slice_width <= H:
-        raise InfMoEError(f"ContinuousSliceFFN: slice_width must be an integer in [1, {H}], got {slice_width!r}")
-    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > H - slice_width):
-        raise InfMoEError(f"ContinuousSliceFFN: starts must lie in [0, {H - slice_width}], "
-                          f"got values in [{int(starts.min())}, {int(starts.max())}]")
     devices = {t.device for t in (x, starts, w_in, b_in, w_out, b_out)}
     if len(devices) > 1:
         raise InfMoEError(f"ContinuousSliceFFN: all inputs must be on one device, got {sorted(map(str, devices))}")
     if x.device.type != "cuda" and not _interpreting():
         raise InfMoEError("ContinuousSliceFFN: the Triton kernel needs CUDA tensors "
                           "(or TRITON_INTERPRET=1 to run it in Triton's CPU interpreter)")
-    return H, D, starts.shape[-1]
+    return H, D, K
 
 
 def use_split(tokens: int, d_model: int) -> bool:
@@ -172,13 +191,16 @@ def use_split(tokens: int, d_model: int) -> bool:
 
 
 def continuous_slice_ffn_triton(x, starts, w_in, b_in, w_out, b_out, slice_width: int,
-                                *, deterministic: Optional[bool] = None) -> torch.Tensor:
-    """y = ContinuousSliceFFN(x, starts, ...) of SPEC §4 with the Triton kernel.
+                                activation: str = "gelu_tanh", *, deterministic: Optional[bool] = None,
+                                check_starts: bool = True) -> torch.Tensor:
+    """y = ContinuousSliceFFN(x, starts, ...) of docs/spec.md with the Triton kernel.
 
     deterministic=None picks by shape (use_split); True forces the COLUMNS mode (bitwise
     reproducible, what TensorRT engines run); False forces SPLIT (atomics, fastest at decode).
+    Invalid input raises InfMoEError before any launch; check_starts=False (tests) lets the
+    device kernel meet out-of-range starts, which it answers with NaN rows.
     """
-    H, D, K = check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width)
+    H, D, K = check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation, check_starts=check_starts)
     lead = x.shape[:-1]
     tokens = math.prod(lead)
     if tokens == 0:
@@ -202,60 +224,3 @@ def continuous_slice_ffn_triton(x, starts, w_in, b_in, w_out, b_out, slice_width
             BLOCK_R=COLUMNS_BLOCK_R, BLOCK_D=COLUMNS_BLOCK_D, SPLIT=False, num_warps=NUM_WARPS)
     return y.reshape(*lead, D)
 
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compilation (for the TensorRT AOT plugin)
-
-
-def compile_ptx(dtype: str, H: int, D: int, R: int, K: int, target=None) -> dict:
-    """Compile the COLUMNS-mode kernel to PTX for TensorRT to launch without Python.
-
-    dtype is "fp32" or "fp16"; target a triton GPUTarget (default: the current GPU). Returns
-    the kernel name, PTX, block size, shared memory and grid_y (the column-block count).
-
-    Triton >= 3.3 appends hidden global/profile scratch pointers to every kernel's parameters;
-    TensorRT passes exactly (inputs, extra scalars, outputs), so the unused trailing pointers
-    are removed from the PTX entry (after checking the kernel needs no scratch memory).
-    """
-    if dtype not in ("fp32", "fp16"):
-        raise InfMoEError(f"ContinuousSliceFFN: no kernel for dtype {dtype!r} (float32 or float16 only)")
-    if not (1 <= R <= H and D >= 1 and K >= 1):
-        raise InfMoEError(f"ContinuousSliceFFN: invalid specialisation H={H} D={D} r={R} K={K}")
-    pointer = f"*{dtype}"
-    signature = {"x_ptr": pointer, "starts_ptr": "*i64", "w_in_ptr": pointer, "b_in_ptr": pointer,
-                 "w_out_ptr": pointer, "b_out_ptr": pointer, "y_ptr": pointer}
-    constants = {"H": H, "D": D, "R": R, "K": K, "BLOCK_R": COLUMNS_BLOCK_R, "BLOCK_D": COLUMNS_BLOCK_D,
-                 "SPLIT": False}
-    signature.update({name: "constexpr" for name in constants})
-    source = triton.compiler.ASTSource(fn=continuous_slice_ffn_kernel, signature=signature, constexprs=constants)
-    if target is None:
-        target = triton.runtime.driver.active.get_current_target()
-    compiled = triton.compile(source, target=target, options={"num_warps": NUM_WARPS})
-    metadata = compiled.metadata
-    ptx = strip_scratch_params(compiled.asm["ptx"], metadata.name, n_params=len(signature) - len(constants),
-                               scratch=(getattr(metadata, "global_scratch_size", 0),
-                                        getattr(metadata, "profile_scratch_size", 0)))
-    return {"name": metadata.name, "ptx": ptx, "block_x": metadata.num_warps * 32,
-            "shared_mem": metadata.shared, "grid_y": triton.cdiv(D, COLUMNS_BLOCK_D)}
-
-
-def strip_scratch_params(ptx: str, name: str, n_params: int, scratch=(0, 0)) -> str:
-    """Keep only the first n_params parameters of entry `name`; the rest must be unused pointers."""
-    if any(scratch):
-        raise InfMoEError(f"ContinuousSliceFFN: kernel {name} needs Triton scratch memory {scratch}, "
-                          "which a TensorRT AOT plugin cannot provide")
-    lines = ptx.splitlines(keepends=True)
-    declared = [i for i, line in enumerate(lines) if f"{name}_param_" in line and ".param" in line
-                and "ld.param" not in line]
-    extra = declared[n_params:]
-    if len(declared) < n_params or len(extra) > 2:
-        raise InfMoEError(f"ContinuousSliceFFN: unexpected PTX entry for {name}: "
-                          f"{len(declared)} parameters, expected {n_params} (+ up to 2 scratch pointers)")
-    for index in range(n_params, len(declared)):
-        if f"[{name}_param_{index}]" in ptx:
-            raise InfMoEError(f"ContinuousSliceFFN: PTX of {name} reads hidden parameter {index}")
-    if extra:
-        last = declared[n_params - 1]
-        lines[last] = lines[last].rstrip().rstrip(",") + "\n"
-        lines = [line for i, line in enumerate(lines) if i not in extra]
-    return "".join(lines)
