@@ -53,6 +53,11 @@ def cli(debug):
     DEBUG["on"] = debug
 
 
+def one_line(message) -> str:
+    """A message on one line, whatever paths it quotes (a file name may hold a newline)."""
+    return str(message).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv=None):
     DEBUG["on"] = False
     # Piped output (CI logs, `| tee`) would otherwise be cut to rich's 80-column default and
@@ -68,7 +73,11 @@ def main(argv=None):
         error.show()
         sys.exit(error.exit_code)
     except InfMoEError as error:
-        click.echo(f"error: {error}", err=True)
+        click.echo(f"error: {one_line(error)}", err=True)
+        sys.exit(1)
+    except OSError as error:  # the environment, not a bug: a full disk, a name too long, no permission
+        where = f": {error.filename}" if error.filename else ""
+        click.echo(one_line(f"error: {error.strerror or error}{where}"), err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
@@ -80,7 +89,7 @@ def main(argv=None):
     except Exception as error:  # the error boundary: one line, never a traceback, unless asked for
         if DEBUG["on"]:
             raise
-        summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        summary = one_line(str(error).strip())[:300]
         click.echo(f"error: unexpected {type(error).__name__}: {summary} (rerun with `infmoe-export --debug ...` "
                    "for the traceback, and please report it)", err=True)
         sys.exit(2)

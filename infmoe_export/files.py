@@ -51,7 +51,22 @@ def _refuse(path: Path, why: str):
     raise InfMoEError(f"refusing to write {path}: {why}")
 
 
-def output_file(path: Union[str, os.PathLike], *, inputs: Sequence[Union[str, os.PathLike]] = ()) -> Path:
+Inputs = Sequence[Union[str, os.PathLike, None]]
+
+
+def _refuse_inputs(path: Path, inputs: Inputs):
+    """An output may not be one of the command's inputs, a folder that holds one, or lie inside
+    an input folder (a checkpoint, a model folder)."""
+    target = path.resolve()
+    for source in inputs:
+        if source is None:
+            continue
+        resolved = Path(source).resolve()
+        if resolved == target or target in resolved.parents or resolved in target.parents:
+            _refuse(path, f"it is, holds or lies inside this command's input {source}")
+
+
+def output_file(path: Union[str, os.PathLike], *, inputs: Inputs = ()) -> Path:
     """Check an output file before any work: absent, or a regular file to replace. Directories,
     symlinks, FIFOs, devices and the command's own input files are refused; the parent folder is
     created and must be writable."""
@@ -65,8 +80,9 @@ def output_file(path: Union[str, os.PathLike], *, inputs: Sequence[Union[str, os
         if not stat.S_ISREG(kind):
             _refuse(path, "it exists and is not a regular file (a device, FIFO or socket)")
         for source in inputs:
-            if Path(source).exists() and os.path.samefile(path, source):
+            if source is not None and Path(source).exists() and os.path.samefile(path, source):
                 _refuse(path, "it is one of this command's inputs")
+    _refuse_inputs(path, inputs)
     _writable_dir(path.parent)
     return path
 
@@ -87,11 +103,11 @@ def is_ours(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def output_dir(path: Union[str, os.PathLike]) -> Path:
+def output_dir(path: Union[str, os.PathLike], *, inputs: Inputs = ()) -> Path:
     """A folder the command may fill: new (created and marked), empty (marked), or made by this
     program before (it holds MARKER; what is in it may be replaced). A folder with other files,
     a symlink or a non-directory is refused, so no user file is ever replaced or deleted."""
-    path = check_replaceable_dir(path)
+    path = check_replaceable_dir(path, inputs=inputs)
     _writable_dir(path)
     (path / MARKER).touch()
     return path
@@ -113,10 +129,12 @@ def locked(folder: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def check_replaceable_dir(path: Union[str, os.PathLike]) -> Path:
+def check_replaceable_dir(path: Union[str, os.PathLike], *, inputs: Inputs = ()) -> Path:
     """Check, before any work, that a folder the command will publish whole may be replaced:
-    absent, empty, or made by this program. Its parent must be writable."""
+    absent, empty, or made by this program, and holding none of the command's inputs. Its
+    parent must be writable."""
     path = Path(path)
+    _refuse_inputs(path, inputs)
     if path.is_symlink():
         _refuse(path, "it is a symbolic link; give the folder itself")
     if path.exists():

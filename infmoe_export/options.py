@@ -1,5 +1,6 @@
 """Parsing and settings shared by the commands."""
 
+import math
 import os
 from typing import List, Optional
 
@@ -10,6 +11,21 @@ from .limits import check_fits, forward_bytes
 
 # Seeds feed torch and numpy generators, which take 64-bit values.
 SEED = click.IntRange(0, 2**63 - 1)
+# Intra-op threads: more than any machine has cores is a mistake, and overflows the runtimes' int.
+THREADS = click.IntRange(1, 1024)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that also refuses nan and inf (click's range lets nan through)."""
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 # Counts (K, batch, sequence) beyond this are never meaningful and would overflow int32 shapes.
 MAX_COUNT = 2**31 - 1
 

@@ -223,8 +223,8 @@ def test_written_files(setup, tmp_path):
     assert page.count("data:image/png;base64,") == 1
     assert "src=\"http" not in page and "href=\"http" not in page  # self-contained
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.html", "report.json", "report.md",
-                                                                    "tradeoff.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".infmoe-export", "report.html", "report.json",
+                                                                    "report.md", "tradeoff.png"]
 
 
 def test_html_renders_in_headless_chromium(setup, tmp_path):
@@ -285,7 +285,7 @@ def test_parity_fails_on_perturbed_weight_naming_the_backend(setup, tmp_path):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: parity failed for ort-fallback (K=1, quantile)")
+    assert line.startswith("error: parity failed for ort-fallback K=1 quantile: ")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert not report["passed"] and report["failures"]
 

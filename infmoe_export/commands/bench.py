@@ -12,7 +12,7 @@ from rich.console import Console
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..export import export_many
 from ..files import atomic_write, output_file
-from ..options import check_forward_memory, positive_ints
+from ..options import THREADS, check_forward_memory, positive_ints
 from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
 from ..report.render import build_report, rich_table, tables, validate_report
 from ..report.timing import environment
@@ -34,7 +34,7 @@ from ..runtimes import registry
 @click.option("--past", type=click.IntRange(min=1), default=DEFAULT_PAST, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
 @click.option("--iters", type=click.IntRange(min=1), default=30, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime (default: their own defaults).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write the results (report schema) here.")
 def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, batch_list, seq_list, past, warmup,
@@ -42,8 +42,9 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     """Latency, throughput and memory per backend and K."""
     backends = registry.parse_backends(backend_list)
     ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
+    inputs = [checkpoint or DEFAULT_CHECKPOINT, *model_paths, engines]
     if json_path:
-        output_file(json_path)
+        output_file(json_path, inputs=inputs)
     torch_model = load_checkpoint(checkpoint)
     check_shapes(torch_model.config, seqs, past)
     check_forward_memory(torch_model.config, max(batches), max(seqs) + past, max(ks))
@@ -63,5 +64,5 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
     console = Console()
     console.print(rich_table(next(t for t in tables(report) if t.title == "Latency")))
     if json_path:
-        atomic_write(output_file(json_path), json.dumps(report, indent=2, allow_nan=False) + "\n")
+        atomic_write(output_file(json_path, inputs=inputs), json.dumps(report, indent=2, allow_nan=False) + "\n")
         console.print(f"results: {json_path}", markup=False)

@@ -45,7 +45,7 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
-        output_dir(out)
+        output_dir(out, inputs=[source])
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         staging.chmod(0o755)  # mkdtemp makes it private; a published model folder is not
         try:

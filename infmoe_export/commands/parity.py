@@ -8,7 +8,7 @@ from rich.console import Console
 
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..errors import InfMoEError
-from ..options import SEED, check_forward_memory, positive_ints
+from ..options import SEED, FiniteFloat, check_forward_memory, positive_ints
 from ..files import locked, output_dir
 from ..report.render import build_report, summary_table, write_report
 from ..report.timing import environment
@@ -28,8 +28,8 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_STAR
 @click.option("--k", "ks", default=None, help="Only these expert budgets, comma-separated (default: every model given).")
 @click.option("--backends", "backend_list", default="ort,ort-fallback,trt", show_default=True,
               help="Backends to compare against the PyTorch reference.")
-@click.option("--atol", type=click.FloatRange(min=0), default=DEFAULT_ATOL, show_default=True)
-@click.option("--rtol", type=click.FloatRange(min=0), default=DEFAULT_RTOL, show_default=True)
+@click.option("--atol", type=FiniteFloat(min=0), default=DEFAULT_ATOL, show_default=True)
+@click.option("--rtol", type=FiniteFloat(min=0), default=DEFAULT_RTOL, show_default=True)
 @click.option("--min-start-agreement", type=click.FloatRange(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
               show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
 @click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
@@ -39,7 +39,7 @@ def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_lis
                    min_start_agreement, max_windows, seed):
     """Parity of every backend against the PyTorch reference (SPEC §5)."""
     backends = registry.parse_backends(backend_list, allow_torch=False)
-    out = output_dir(out)
+    out = output_dir(out, inputs=[checkpoint or DEFAULT_CHECKPOINT, *model_paths, *texts, engines])
     torch_model = load_checkpoint(checkpoint)
     check_forward_memory(torch_model.config, BATCH_SIZE, torch_model.config.n_positions,
                          max(positive_ints(ks, "--k")) if ks else torch_model.config.num_samples)

@@ -24,7 +24,7 @@ from ..errors import InfMoEError
 from ..export import export_many
 from ..model import NOISE_MODES
 from ..files import locked, output_dir, staged_dir
-from ..options import check_forward_memory, positive_ints
+from ..options import THREADS, check_forward_memory, positive_ints
 from ..report.bench import DEFAULT_PAST, run_bench
 from ..report.render import build_report, summary_table, write_report
 from ..report.timing import environment
@@ -94,7 +94,7 @@ class Stages:
               help="Windows of n_positions tokens of validation text for parity.")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per latency figure.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
 def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup, threads):
     """The main job: export, validate, parity, latency, reports."""
@@ -104,7 +104,7 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, iters, warmup
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
     torch_model = load_checkpoint(checkpoint)
     check_forward_memory(torch_model.config, max(BATCHES), torch_model.config.n_positions, max(ks))
-    out = output_dir(out)
+    out = output_dir(out, inputs=[checkpoint or DEFAULT_CHECKPOINT])
     if threads:
         torch.set_num_threads(threads)
     console = Console()

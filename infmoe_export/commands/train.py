@@ -13,7 +13,7 @@ from ..evaluate import router_spread
 from ..files import check_replaceable_dir
 from ..limits import check_fits, forward_bytes
 from ..model import InfMoEConfig
-from ..options import SEED, set_threads
+from ..options import FiniteFloat, SEED, THREADS, set_threads
 from ..train import EVAL_WINDOWS, TRAIN_LOG, train_model
 
 
@@ -30,17 +30,17 @@ from ..train import EVAL_WINDOWS, TRAIN_LOG, train_model
 @click.option("--n-positions", type=int, default=256, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=3e-3, show_default=True)
+@click.option("--lr", type=FiniteFloat(min=0, min_open=True, max=10), default=3e-3, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads (default: $OMP_NUM_THREADS, else min(4, CPUs)).")
+@click.option("--threads", type=THREADS, default=None, help="Torch threads (default: $OMP_NUM_THREADS, else min(4, CPUs)).")
 def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width, num_samples,
                   n_positions, steps, batch_size, lr, seed, eval_every, threads):
     """Train an ∞-MoE model from scratch on a byte corpus."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-    out = check_replaceable_dir(out)
+    out = check_replaceable_dir(out, inputs=[corpus])
     config = InfMoEConfig(vocab_size=256, n_positions=n_positions, d_model=d_model, n_layer=n_layer,
                           n_head=n_head, ffn_hidden=ffn_hidden, slice_width=slice_width,
                           num_samples=num_samples)

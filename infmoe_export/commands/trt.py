@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import load_checkpoint
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..errors import InfMoEError
 from ..export import export_many
 from ..files import locked, output_dir
@@ -43,7 +43,7 @@ def trt_command(models, checkpoint, ks, out, fp16, timing_cache, max_batch, max_
     if planned:
         check_precision(planned, fp16)
     require_tensorrt()  # before anything is written
-    out = output_dir(out)
+    out = output_dir(out, inputs=[checkpoint or DEFAULT_CHECKPOINT, *models])
     with locked(out):
         if planned is None:
             # The parser must map each node to the plugin, so these models carry no fallback function.

@@ -1,0 +1,26 @@
+"""Over 500 hostile invocations of every command (tests/fuzz_cli.py), in one child process so
+that its peak resident memory is its own: 0 tracebacks, 0 internal errors, 0 writes outside the
+given outputs, 0 pre-existing files lost or changed, peak RSS under 2 GiB."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FUZZ = Path(__file__).with_name("fuzz_cli.py")
+
+
+def test_hostile_invocations(tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(FUZZ), str(tmp_path), str(seed)], capture_output=True, text=True,
+                            env=env, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["invocations"] >= 500 and summary["interrupted"] >= 50
+    assert summary["problems"] == [], f"seed {seed}: " + "\n".join(summary["problems"][:10])
+    # Refusals dominate, and some invocations ran for real (the matrix is not all rejected).
+    codes = summary["exit_codes"]
+    assert codes.get("1", 0) > 100 and codes.get("0", 0) > 20, codes
+    assert summary["peak_rss_mib"] < 2048, summary
