@@ -272,7 +272,8 @@ def test_cli_export_without_function(make_checkpoint, tmp_path, run_cli):
 @pytest.mark.parametrize("args, message", [
     (["--checkpoint", "{tmp}/missing"], "is not a checkpoint"),
     (["--k", "0"], "--k must be a positive integer"),
-    (["--out", "{tmp}"], "infmoe-export did not write"),   # a folder holding the user's files
+    (["--out", "{tmp}"], "holds or lies inside this command's input"),  # the folder of the checkpoint
+    (["--out", "{tmp}/user"], "infmoe-export did not write"),   # a folder holding the user's files
     (["--out", "{tmp}/file.txt"], "exists and is not a directory"),  # no .onnx suffix: a folder
     (["--out", "{tmp}/file.txt/model.onnx"], "is not a directory"),
     (["--opset", "17"], "opset 17 is not supported"),
@@ -282,6 +283,8 @@ def test_cli_export_without_function(make_checkpoint, tmp_path, run_cli):
 def test_cli_bad_input(make_checkpoint, tmp_path, run_cli, args, message):
     ckpt = make_checkpoint()
     (tmp_path / "file.txt").write_text("not a directory")
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "notes.txt").write_text("the user's")
     before = sorted(tmp_path.rglob("*"))
     args = [a.format(tmp=tmp_path) for a in args]
     base = ["onnx", "--checkpoint", ckpt, "--out", tmp_path / "model.onnx"]
