@@ -8,6 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import helper
 
 from infmoe_export.export.function import op_model
 from infmoe_export.model import continuous_slice_ffn
@@ -221,3 +222,16 @@ def test_kernel_takes_precedence_over_the_fallback_function(library):
     fallback.run(None, feeds)  # the dense function just finds no unit in that window
     with pytest.raises(Exception, match="outside"):
         kernel.run(None, feeds)
+
+
+@pytest.mark.parametrize("value", [5, 1.5])
+def test_a_non_string_activation_is_refused_not_read_as_the_default(value):
+    """An attribute of the wrong type must not pass as "absent" (then: gelu_tanh)."""
+    model = op_model(3)
+    for attribute in model.graph.node[0].attribute:
+        if attribute.name == "activation":
+            attribute.CopyFrom(helper.make_attribute("activation", value))
+    options = ort.SessionOptions()
+    assert ort_kernel.register(options)
+    with pytest.raises(Exception, match="activation' must be a string"):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -72,10 +72,27 @@ struct Attributes {
     // Optional, default gelu_tanh (the config default); plugin_namespace/plugin_version are for
     // TensorRT and ignored here.
     std::string activation = "gelu_tanh";
+    bool is_string = true;
     try {
       activation = kernel_info.GetAttribute<std::string>("activation");
     } catch (const Ort::Exception&) {
+      is_string = false;
     }
+    // Absent means the default; present with another type is refused, never read as the default.
+    bool other_type = false;
+    if (!is_string) {
+      try {
+        (void)kernel_info.GetAttribute<int64_t>("activation");
+        other_type = true;
+      } catch (const Ort::Exception&) {
+      }
+      try {
+        (void)kernel_info.GetAttribute<float>("activation");
+        other_type = true;
+      } catch (const Ort::Exception&) {
+      }
+    }
+    if (other_type) Fail("attribute 'activation' must be a string such as \"gelu_tanh\"");
     if (activation != "gelu_tanh") Fail("unknown activation '" + activation + "' (known: gelu_tanh)");
   }
 };
