@@ -20,14 +20,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from infmoe_export.export import export_onnx  # noqa: E402
-from infmoe_export.model import InfMoEConfig, InfMoEGPT, coverage  # noqa: E402
-from infmoe_export.report.backends import make_runner, read_model, unavailable  # noqa: E402
-from infmoe_export.report.bench import measure, text_tokens  # noqa: E402
-from infmoe_export.report.render import atomic_write  # noqa: E402
-from infmoe_export.report.timing import environment, memory_bandwidth  # noqa: E402
+from infmoe_export.export import export_onnx
+from infmoe_export.files import atomic_write
+from infmoe_export.model import InfMoEConfig, InfMoEGPT, coverage
+from infmoe_export.report.bench import measure, text_tokens
+from infmoe_export.report.timing import environment, memory_bandwidth
+from infmoe_export.runtimes.registry import make_runner, unavailable
 
 SMALL = InfMoEConfig(vocab_size=50257, n_positions=1024, d_model=768, n_layer=12, n_head=12, ffn_hidden=6144,
                      slice_width=1536, num_samples=2)
@@ -59,9 +57,8 @@ def decode_bytes(model: InfMoEGPT, k: int) -> int:
     return 4 * total
 
 
-def timings(runner_backend, path, torch_model, warmup, iters):
+def timings(runner_backend, model, torch_model, warmup, iters):
     """(decode ms/token p50, prefill tokens/s) of one backend on one model."""
-    model = read_model(path)
     with make_runner(runner_backend, model, torch_model) as runner:
         decode = measure(runner, model, 1, 1, PAST, warmup, iters)
         prefill = measure(runner, model, 1, PREFILL, 0, 1, max(3, iters // 4))
@@ -78,25 +75,25 @@ def main():
     ks = [int(k) for k in args.k.split(",")]
     torch.manual_seed(0)
     if unavailable("ort", None):
-        sys.exit("bench_ort: the compiled kernel is not built; run plugins/onnxruntime/build.sh first")
+        sys.exit("bench_ort: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
 
     bandwidth = memory_bandwidth()
     print(f"streaming read bandwidth {bandwidth['read_gbs']:.2f} GB/s, copy {bandwidth['copy_gbs']:.2f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-ort-") as scratch:
         medium = InfMoEGPT(MEDIUM_DENSE).eval()
-        path = export_onnx(medium, Path(scratch) / "medium.onnx", k=1, noise="quantile")
-        medium_decode, medium_prefill = timings("ort", path, medium, args.warmup, args.iters)
+        exported = export_onnx(medium, Path(scratch) / "medium.onnx", k=1, noise="quantile")
+        medium_decode, medium_prefill = timings("ort", exported, medium, args.warmup, args.iters)
         print(f"dense Medium: decode {medium_decode:.2f} ms/token, prefill {medium_prefill:.1f} tokens/s")
-        path.unlink()
+        exported.path.unlink()
         del medium
 
         small = InfMoEGPT(SMALL).eval()
         for k in ks:
-            path = export_onnx(small, Path(scratch) / f"small_k{k}.onnx", k=k, noise="quantile")
-            measured = {backend: timings(backend, path, small, args.warmup, args.iters)
+            exported = export_onnx(small, Path(scratch) / f"small_k{k}.onnx", k=k, noise="quantile")
+            measured = {backend: timings(backend, exported, small, args.warmup, args.iters)
                         for backend in ("ort", "ort-fallback", "torch")}
-            path.unlink()
+            exported.path.unlink()
             active = decode_bytes(small, k)
             roofline_ms = active / (bandwidth["read_gbs"] * 1e9) * 1e3
             kernel_ms, kernel_prefill = measured["ort"]
