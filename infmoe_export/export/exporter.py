@@ -307,6 +307,10 @@ def _save_atomic(model: ir.Model, path: Path, external: bool):
     try:
         ir.save(model, staging / path.name, external_data=data_name if external else None)
         if external:
+            # Two files cannot be renamed at once: move the old graph aside first, so that a crash
+            # between the renames leaves no model.onnx rather than an old graph on new weights.
+            if path.exists():
+                os.replace(path, staging / f"{path.name}.old")
             os.replace(staging / data_name, path.parent / data_name)
         os.replace(staging / path.name, path)
     except OSError as error:
