@@ -1,7 +1,5 @@
 """`infmoe-export onnx`: export a checkpoint, then validate it in onnxruntime (on by default)."""
 
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -10,7 +8,7 @@ import click
 from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
 from ..contract import DTYPES
 from ..errors import InfMoEError
-from ..files import output_dir, output_file, publish_dir
+from ..files import locked, output_dir, output_file, staged_dir
 from ..export import DEFAULT_OPSET, export_onnx
 from ..model import NOISE_MODES
 from ..runtimes import ort_kernel
@@ -45,14 +43,8 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
-        output_dir(out, inputs=[source])
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        staging.chmod(0o755)  # mkdtemp makes it private; a published model folder is not
-        try:
-            _export_folder(staging, out, checkpoint, k, noise, no_past, opset, dtype, no_function, with_starts,
-                           atol, no_validate)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, dtype, no_function,
+                       with_starts, atol, no_validate)
         return
     output_file(out, inputs=[source / CONFIG_FILE, source / WEIGHTS_FILE])
     model = load_checkpoint(checkpoint)
@@ -73,24 +65,24 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, no_function, 
     click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)
 
 
-def _export_folder(staging, out, checkpoint, k, noise, no_past, opset, dtype, no_function, with_starts, atol,
-                   no_validate):
-    """`--out DIR`: model.onnx and the clients' files into staging, validated, then published to out
-    (published on a failed validation too, like the file: it is complete and loadable)."""
+def _export_folder(out, checkpoint, k, noise, no_past, opset, dtype, no_function, with_starts, atol, no_validate):
+    """`--out DIR`: model.onnx and the clients' files into a staging folder, validated, then
+    published to out (published on a failed validation too, like the file: it is complete and
+    loadable, and the error names it)."""
     from ..export.hf_folder import MODEL_FILE, client_limitations, write_hf_folder
 
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
-    exported = export_onnx(model, staging / MODEL_FILE, k=k, noise=noise, past=not no_past, opset=opset,
-                           dtype=dtype, function=not no_function, with_starts=with_starts)
-    write_hf_folder(staging, exported, kernel_library=ort_kernel.custom_op_library() if no_function else None)
     report = None
-    if not no_validate:
-        from rich.console import Console
+    with locked(out), staged_dir(out) as staging:
+        exported = export_onnx(model, staging / MODEL_FILE, k=k, noise=noise, past=not no_past, opset=opset,
+                               dtype=dtype, function=not no_function, with_starts=with_starts)
+        write_hf_folder(staging, exported, kernel_library=ort_kernel.custom_op_library() if no_function else None)
+        if not no_validate:
+            from rich.console import Console
 
-        report = validate_onnx(model, exported, atol=atol, raise_on_failure=False)
-        Console(stderr=True, width=120).print(report.table())
-    publish_dir(staging, out)
+            report = validate_onnx(model, exported, atol=atol, raise_on_failure=False)
+            Console(stderr=True, width=120).print(report.table())
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     click.echo(f"exported {out}/ ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
     for note in client_limitations(exported):
