@@ -24,6 +24,8 @@ COMMANDS = {
     "bench": ("infmoe_export.commands.bench:bench_command", "Latency, throughput and memory per backend and K."),
     "pipeline": ("infmoe_export.commands.pipeline:pipeline_command", "The main job: export, validate, parity, latency, reports."),
     "inspect": ("infmoe_export.commands.inspect:inspect_command", "What an ONNX model holds, what a tool broke, and the fix (--repair)."),
+    "triton-repo": ("infmoe_export.commands.triton_repo:triton_repo_command", "A Triton Inference Server model repository: per-K models and a decoding front model."),
+    "serve": ("infmoe_export.commands.serve:serve_command", "Serve a model repository on Triton (HTTP, gRPC, metrics), K per request."),
 }
 
 

@@ -17,6 +17,7 @@ LAYERS = [
     {"evaluate", "train", "export", "runtimes"},
     {"verify"},
     {"report"},
+    {"serving"},
     {"commands", "cli"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

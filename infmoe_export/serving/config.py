@@ -1,0 +1,122 @@
+"""config.pbtxt for each model of the repository, checked against Triton's own schema
+(tritonclient.grpc.model_config_pb2) before it is written: text_format parses strictly, so an
+unknown field, a wrong type or a misspelt enum is an error, never silently ignored."""
+
+import json
+from typing import Dict, List, Optional
+
+from ..contract import DecoderIO
+from ..errors import InfMoEError
+
+FRONT_MODEL = "infmoe"
+# The front model batches this many sequences' steps into one onnxruntime call.
+MAX_BATCH = 16
+IDLE_SECONDS = 60
+
+
+def require_schema():
+    """Triton's ModelConfig message class (from the `serve` extra)."""
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        raise InfMoEError("serving needs tritonclient: pip install 'infmoe-export[serve]'") from None
+    return model_config_pb2
+
+
+def validate(text: str, where: str):
+    """Parse config.pbtxt text with Triton's schema; an InfMoEError naming `where` if it does not."""
+    from google.protobuf import text_format
+
+    model_config_pb2 = require_schema()
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as error:
+        raise InfMoEError(f"{where}: config.pbtxt does not parse with Triton's schema: {error}") from None
+
+
+def model_name(k: int, precision: str, backend: str = "onnx") -> str:
+    return f"infmoe_k{k}_{precision}" + ("_trt" if backend == "trt" else "")
+
+
+def _dims(shape) -> str:
+    return ", ".join(str(d) if isinstance(d, int) else "-1" for d in shape)
+
+
+def _tensor(name: str, dtype: str, shape) -> str:
+    return f'  {{ name: "{name}" data_type: {dtype} dims: [ {_dims(shape)} ] }}'
+
+
+def _io_blocks(io: DecoderIO) -> str:
+    """input/output blocks of a per-K model, batch dim included in dims (max_batch_size 0):
+    the cache's batch and past dims are dynamic, which Triton's own batching cannot split."""
+    shapes = io.shapes()
+    types = {name: ("TYPE_INT64" if t.__name__ == "int64" else "TYPE_FP32") for name, t in io.dtypes().items()}
+    inputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in io.input_names)
+    outputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in io.output_names)
+    return f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+
+
+def onnx_model_config(name: str, io: DecoderIO, library: Optional[str]) -> str:
+    """An onnxruntime-backend model; `library` is the kernel's path as the server sees it."""
+    ops = f'model_operations {{ op_library_filename: [ "{library}" ] }}\n' if library else ""
+    return (f'name: "{name}"\nbackend: "onnxruntime"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
+            f"{_io_blocks(io)}{ops}"
+            'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
+            'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % io.k)
+
+
+def tensorrt_model_config(name: str, io: DecoderIO) -> str:
+    """A TensorRT-backend model (an engine of `infmoe-export trt`, copied as 1/model.plan)."""
+    return (f'name: "{name}"\nbackend: "tensorrt"\nplatform: "tensorrt_plan"\nmax_batch_size: 0\n'
+            f"{_io_blocks(io)}"
+            'instance_group [ { count: 1 kind: KIND_GPU } ]\n'
+            'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % io.k)
+
+
+def front_model_config(models: Dict[str, Dict[str, str]], io: DecoderIO, executor: str = "local") -> str:
+    """The decoding front model (Python backend, sequence batching, oldest-first strategy so that
+    the steps of different sequences are batched together). `models` maps "K/precision" to
+    {"onnx": path relative to the repository, "triton": the per-K model's name}; the expert
+    budget and precision are request parameters (`k`, `precision`)."""
+    routes, inputs, outputs = (_quote(json.dumps(v, sort_keys=True)) for v in (models, io.input_names, io.output_names))
+    vocab_size, n_positions = io.config.vocab_size, io.config.n_positions
+    return f"""name: "{FRONT_MODEL}"
+backend: "python"
+max_batch_size: {MAX_BATCH}
+input [
+  {{ name: "INPUT_IDS" data_type: TYPE_INT64 dims: [ -1 ] allow_ragged_batch: true }}
+]
+output [
+  {{ name: "NEXT_TOKEN" data_type: TYPE_INT64 dims: [ 1 ] }},
+  {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {vocab_size} ] }}
+]
+sequence_batching {{
+  max_sequence_idle_microseconds: {IDLE_SECONDS * 1_000_000}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
+  ]
+  oldest {{ max_candidate_sequences: 64 preferred_batch_size: [ {MAX_BATCH} ] max_queue_delay_microseconds: 2000 }}
+}}
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+parameters {{ key: "routes" value {{ string_value: "{routes}" }} }}
+parameters {{ key: "executor" value {{ string_value: "{executor}" }} }}
+parameters {{ key: "n_positions" value {{ string_value: "{n_positions}" }} }}
+parameters {{ key: "input_names" value {{ string_value: "{inputs}" }} }}
+parameters {{ key: "output_names" value {{ string_value: "{outputs}" }} }}
+parameters {{ key: "idle_seconds" value {{ string_value: "{IDLE_SECONDS}" }} }}
+"""
+
+
+def _quote(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def routes_of(config) -> Dict[str, Dict[str, str]]:
+    """The routes table of a parsed front-model ModelConfig."""
+    return json.loads(config.parameters["routes"].string_value)
+
+
+def names(configs: List) -> List[str]:
+    return [c.name for c in configs]

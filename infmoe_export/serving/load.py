@@ -1,0 +1,118 @@
+"""A load test of the local server: N concurrent streams, each generating sequences of
+greedy tokens with K chosen per sequence in turn, bounded in sequences and time, stopping by
+itself. Every request is counted as completed or failed (with its message); none is dropped.
+
+    python -m infmoe_export.serving.load --url 127.0.0.1:8000 --streams 1,4,16 --k 1,2,4,8
+
+Loopback only: the URL's host must be a loopback address."""
+
+import argparse
+import ipaddress
+import json
+import socket
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import InfMoEError
+from .client import FrontClient, ServingError, new_sequence_id
+
+PROMPTS = [b"import os", b"def main(", b"class A:", b"return self.", b"for i in range(", b"# The "]
+
+
+def check_loopback(url: str) -> None:
+    host = url.rsplit(":", 1)[0].strip("[]")
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        raise InfMoEError(f"cannot resolve {host!r}") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        raise InfMoEError(f"the load test only targets a local server (loopback), not {host}")
+
+
+def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream: int = 4, tokens: int = 24,
+             deadline_s: float = 120.0, protocol: str = "http", timeout: float = 30.0,
+             during=None) -> Dict:
+    """One load level. `during(stop_event)` runs in its own thread while the load runs (the
+    fault test kills a process there). Returns the figures and every failure."""
+    check_loopback(url)
+    latencies: List[float] = []
+    failures: List[str] = []
+    completed = [0]
+    sent = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+    deadline = time.monotonic() + deadline_s
+
+    def stream(index: int):
+        client = FrontClient(url, protocol, timeout)
+        try:
+            for n in range(sequences_per_stream):
+                if time.monotonic() > deadline:
+                    return
+                k = ks[(index + n) % len(ks)]
+                sequence_id, ids = new_sequence_id(), list(PROMPTS[(index + n) % len(PROMPTS)])
+                for step in range(tokens):
+                    began = time.perf_counter()
+                    with lock:
+                        sent[0] += 1
+                    try:
+                        token, _ = client.step(sequence_id, ids, start=step == 0, end=step == tokens - 1,
+                                               k=k if step == 0 else None)
+                    except ServingError as error:
+                        with lock:
+                            failures.append(str(error)[:200])
+                        break  # the sequence is lost (its cache or the request); the next one starts anew
+                    with lock:
+                        latencies.append(time.perf_counter() - began)
+                        completed[0] += 1
+                    ids = [token]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
+    helper = threading.Thread(target=during, args=(stop,), daemon=True) if during else None
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    if helper:
+        helper.start()
+    for thread in threads:
+        thread.join(deadline_s + timeout + 5)
+    elapsed = time.perf_counter() - began
+    stop.set()
+    if helper:
+        helper.join(timeout)
+    hung = sum(thread.is_alive() for thread in threads)
+    lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
+    return {"streams": streams, "ks": list(ks), "requests": sent[0], "completed": completed[0],
+            "failed": len(failures), "hung_streams": hung, "seconds": round(elapsed, 3),
+            "tokens_per_s": round(completed[0] / elapsed, 2), "p50_ms": round(float(np.percentile(lat, 50)), 2),
+            "p99_ms": round(float(np.percentile(lat, 99)), 2), "failures": failures[:10]}
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="HOST:PORT of the server's HTTP (or gRPC) endpoint")
+    parser.add_argument("--protocol", default="http", choices=["http", "grpc"])
+    parser.add_argument("--streams", default="1,4,16")
+    parser.add_argument("--k", default="1,2,4,8")
+    parser.add_argument("--sequences", type=int, default=4, help="sequences per stream")
+    parser.add_argument("--tokens", type=int, default=24, help="tokens per sequence")
+    parser.add_argument("--deadline", type=float, default=120.0, help="seconds per level at most")
+    args = parser.parse_args(argv)
+    ks = [int(k) for k in args.k.split(",")]
+    rows = [run_load(args.url, int(s), ks, sequences_per_stream=args.sequences, tokens=args.tokens,
+                     deadline_s=args.deadline, protocol=args.protocol) for s in args.streams.split(",")]
+    print("| streams | requests | completed | failed | tokens/s | p50 ms/token | p99 ms/token |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['streams']} | {r['requests']} | {r['completed']} | {r['failed']} | {r['tokens_per_s']} | "
+              f"{r['p50_ms']} | {r['p99_ms']} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`infmoe-export triton-repo`: a Triton model repository for one checkpoint.
+
+    OUT/infmoe/config.pbtxt, 1/model.py           the decoding front model (Python backend)
+    OUT/infmoe_k{K}_{precision}/config.pbtxt       one onnxruntime-backend model per (K, precision),
+        1/model.onnx, libinfmoe_ort.so              the kernel library beside it, in model_operations
+    OUT/infmoe_k{K}_{precision}_trt/1/model.plan   one TensorRT-backend model per engine (--engines)
+
+Every config.pbtxt is parsed with Triton's schema before it is written; the repository is
+staged beside OUT and published whole (files.staged_dir)."""
+
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..contract import DecoderIO
+from ..errors import InfMoEError
+from ..export import export_many
+from ..files import atomic_write, check_replaceable_dir, staged_dir
+from ..runtimes.ort_kernel import custom_op_library
+from ..verify.validate import validate_onnx
+from . import config as cfg
+
+PRECISIONS = ("fp32", "fp16")
+EXECUTORS = ("local", "bls")
+LIBRARY = "libinfmoe_ort.so"
+
+
+def _write_config(folder: Path, text: str) -> Path:
+    cfg.validate(text, str(folder / "config.pbtxt"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return atomic_write(folder / "config.pbtxt", text)
+
+
+def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = ("fp32",), *,
+                     engines: Optional[Path] = None, mount_path: Optional[str] = None, executor: str = "local",
+                     kernel: bool = True, inputs: Sequence[Path] = (),
+                     progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[str]]:
+    """Write the repository; {"models": [...names], "warnings": [...]}."""
+    cfg.require_schema()
+    out = check_replaceable_dir(Path(out), inputs=inputs)
+    if not ks or any(k < 1 for k in ks):
+        raise InfMoEError("--k needs positive expert budgets")
+    for precision in precisions:
+        if precision not in PRECISIONS:
+            raise InfMoEError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if executor not in EXECUTORS:
+        raise InfMoEError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    manifest = None
+    if engines is not None:
+        from ..runtimes.tensorrt.manifest import read_manifest
+
+        manifest = read_manifest(engines)
+    mount = str(mount_path) if mount_path else str(out.resolve())
+    library = custom_op_library() if kernel else None
+    warnings = []
+    if kernel and (library is None or not library.is_file()):
+        warnings.append("the kernel library is not installed: the onnxruntime models run on the fallback function")
+        library = None
+    names, routes = [], {}
+    with staged_dir(out) as stage:
+        exports = stage / ".exports"
+        for precision in precisions:
+            done = export_many(model, exports, ks, ("quantile",), dtype=precision,
+                               progress=(lambda d, p=precision: progress(f"export {d} {p}")) if progress else None)
+            for exported in done:
+                if progress:
+                    progress(f"validate K={exported.k} {precision}")
+                validate_onnx(model, exported.path)
+                name = cfg.model_name(exported.k, precision)
+                folder = stage / name
+                (folder / "1").mkdir(parents=True)
+                os.replace(exported.path, folder / "1" / "model.onnx")
+                lib_path = None
+                if library is not None:
+                    shutil.copy2(library, folder / LIBRARY)
+                    lib_path = f"{mount}/{name}/{LIBRARY}"
+                _write_config(folder, cfg.onnx_model_config(name, exported.io, lib_path))
+                io = exported.io
+                past_shape = [io.config.n_head, 0, io.config.head_dim]
+                routes[f"{exported.k}/{precision}"] = {"onnx": f"{name}/1/model.onnx", "triton": name,
+                                                       "past_shape": json.dumps(past_shape)}
+                names.append(name)
+                front_io = io
+        shutil.rmtree(exports, ignore_errors=True)
+        if manifest is not None:
+            from ..runtimes.tensorrt.manifest import select_engine
+
+            for entry in manifest["engines"]:
+                entry = select_engine(manifest, entry["k"])
+                io = DecoderIO.from_metadata(entry["metadata"])
+                name = cfg.model_name(entry["k"], entry["precision"], "trt")
+                folder = stage / name
+                (folder / "1").mkdir(parents=True)
+                shutil.copy2(entry["path"], folder / "1" / "model.plan")
+                _write_config(folder, cfg.tensorrt_model_config(name, io))
+                names.append(name)
+        front = stage / cfg.FRONT_MODEL
+        (front / "1").mkdir(parents=True)
+        source = resources.files("infmoe_export.serving").joinpath("triton_model.py").read_text()
+        atomic_write(front / "1" / "model.py", source)
+        _write_config(front, cfg.front_model_config(routes, front_io, executor))
+        names.insert(0, cfg.FRONT_MODEL)
+        atomic_write(stage / "repository.json", json.dumps(
+            {"front_model": cfg.FRONT_MODEL, "routes": routes, "models": names, "executor": executor,
+             "mount_path": mount, "kernel_library": library is not None}, indent=2) + "\n")
+    return {"models": names, "warnings": warnings}
+
+
+def read_repository(path) -> dict:
+    """repository.json of a repository this command wrote; InfMoEError otherwise."""
+    file = Path(path) / "repository.json"
+    if not file.is_file():
+        raise InfMoEError(f"{path} is not a model repository written by `infmoe-export triton-repo` "
+                          "(no repository.json)")
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InfMoEError(f"{file} is not valid JSON: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("routes"), dict) or not data["routes"]:
+        raise InfMoEError(f"{file} has no routes")
+    return data
