@@ -69,6 +69,8 @@ void GeluTanh(ArrayLike&& a) {
 }
 
 // coverage[i] = (number of windows [s, s + r) covering unit i) / k, for i in [0, h).
+// Form (docs/spec.md §6.3): a difference array (+1 at each start, -1 one past its end) whose
+// running sum is the exact count n_i, then n_i * (1/k): equal to n_i / k up to the last bit.
 void Coverage(const int64_t* starts, int64_t k, int64_t r, int64_t h, float* coverage) {
   std::vector<int32_t> depth(h + 1, 0);
   for (int64_t j = 0; j < k; ++j) {
