@@ -1,9 +1,6 @@
 """Checkpoints (SPEC §2): a directory with config.json and model.safetensors, never a pickle."""
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -12,7 +9,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import InfMoEError
-from .files import atomic_write, publish_dir
+from .files import atomic_write, staged_dir
 from .limits import MAX_CONFIG_BYTES, check_file_size
 from .model import InfMoEConfig, InfMoEGPT
 
@@ -101,23 +98,15 @@ def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
 def save_checkpoint(model: InfMoEGPT, path: Union[str, Path], metadata: Optional[dict] = None,
                     extra_files: Optional[dict] = None) -> Path:
     """Write config.json + model.safetensors (+ extra_files: {name: text}) into a staging folder
-    beside path, then publish it (files.publish_dir: an existing path is replaced only if this
+    beside path, then publish it (files.staged_dir: an existing path is replaced only if this
     program made it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
-    try:
-        (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    with staged_dir(path) as staging:
+        atomic_write(staging / CONFIG_FILE, json.dumps(model.config.to_dict(), indent=2) + "\n")
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
         save_file(state, str(staging / WEIGHTS_FILE), metadata={k: str(v) for k, v in (metadata or {}).items()})
-        (staging / WEIGHTS_FILE).chmod(0o666 & ~umask)  # safetensors writes it private too
+        (staging / WEIGHTS_FILE).chmod(0o644)  # safetensors writes it private
         for name, text in (extra_files or {}).items():
             atomic_write(staging / name, text)
-        publish_dir(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return path

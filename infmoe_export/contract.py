@@ -169,15 +169,14 @@ class DecoderIO:
 FOLDER_CONFIG, FOLDER_KEY = "config.json", "infmoe"
 
 
-def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
-    """metadata_props of an ONNX file, without loading its weights."""
+def load_graph(path: Union[str, os.PathLike]) -> "onnx.ModelProto":
+    """An ONNX file without its external weights (metadata, nodes, functions), or a one-line error."""
     if not os.path.isfile(path):
         raise InfMoEError(f"ONNX model {path} does not exist or is not a file")
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
         raise InfMoEError(f"{path} is not a readable ONNX model ({type(error).__name__})") from None
-    return {p.key: p.value for p in model.metadata_props}
 
 
 def folder_metadata(path: Union[str, os.PathLike]) -> Optional[Dict[str, str]]:
@@ -192,12 +191,6 @@ def folder_metadata(path: Union[str, os.PathLike]) -> Optional[Dict[str, str]]:
     return {str(k): str(v) for k, v in metadata.items()}
 
 
-def file_has_function(path: Union[str, os.PathLike]) -> bool:
-    """Whether the file holds the fallback function (metadata can claim one a tool dropped)."""
-    model = onnx.load(str(path), load_external_data=False)
-    return any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions)
-
-
 @dataclass(frozen=True)
 class ExportedModel:
     """An exported file, the DecoderIO it was made with and its metadata, read once."""
@@ -210,10 +203,12 @@ class ExportedModel:
         """The model's own metadata; when a tool dropped it (graph surgeon, some converters) and
         the model lies in an exported folder, the copy in its config.json. has_function is then
         what the file holds, not what the copy says."""
-        metadata = read_metadata(path)
+        graph = load_graph(path)  # read once: metadata and functions come from the same load
+        metadata = {p.key: p.value for p in graph.metadata_props}
         if "infmoe.config" not in metadata:
             metadata = folder_metadata(path) or metadata
-        if metadata.get("infmoe.has_function") == "1" and not file_has_function(path):
+        has_function = any(f.domain == DOMAIN and f.name == OP_TYPE for f in graph.functions)
+        if metadata.get("infmoe.has_function") == "1" and not has_function:
             # e.g. saved by an onnxruntime session that had the kernel: the op stayed, the function went
             metadata = {**metadata, "infmoe.has_function": "0", "infmoe.function_dropped": "1"}
         return cls(Path(path), DecoderIO.from_metadata(metadata), metadata)

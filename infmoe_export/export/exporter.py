@@ -26,6 +26,7 @@ from torch.export import Dim
 
 from ..contract import BATCH, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel
 from ..errors import InfMoEError
+from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
 from .function import ir_function
 
@@ -99,24 +100,6 @@ def check_opset(opset) -> int:
         raise InfMoEError(f"opset {opset} is not supported: ContinuousSliceFFN and its fallback function "
                           f"are exported for opsets {MIN_OPSET}..{MAX_OPSET}")
     return opset
-
-
-def check_output_path(path: Union[str, os.PathLike]) -> Path:
-    """Refuse a directory or an unwritable location before any work is done."""
-    path = Path(path)
-    if path.is_dir():
-        raise InfMoEError(f"output path {path} is a directory; give a file name such as {path / 'model.onnx'}")
-    parent = path.parent
-    if parent.exists() and not parent.is_dir():
-        raise InfMoEError(f"cannot write {path}: {parent} is not a directory")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as error:
-        raise InfMoEError(f"cannot write {path}: {error.strerror or error}") from None
-    return path
 
 
 @contextlib.contextmanager
@@ -300,8 +283,11 @@ def _slice_positions_from_the_end(graph: ir.Graph, decoder_io: DecoderIO):
         node.replace_input_with(1, sequence)
 
 
-def _save_atomic(model: ir.Model, path: Path, external: bool):
-    """Write into a temporary directory beside path, then rename: no partial file on failure."""
+def save_model(model: ir.Model, path: Path):
+    """Write model to path, its weights to "<name>.data" when protobuf cannot hold them: into a
+    temporary directory beside path, then renamed, so a failure leaves no partial file."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    external = weight_bytes > EXTERNAL_DATA_BYTES
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     data_name = f"{path.name}.data"
     try:
@@ -327,7 +313,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     """Export model for expert budget k (default: its num_samples) to path."""
     decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype)
     check_opset(opset)
-    path = check_output_path(path)
+    path = output_file(path)
 
     module = _ExportModule(model, decoder_io)
     config = model.config
@@ -362,8 +348,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     onnx_model.metadata_props.update(metadata)
     onnx_model.producer_name = "infmoe-export"
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    _save_atomic(onnx_model, path, external=weight_bytes > EXTERNAL_DATA_BYTES)
+    save_model(onnx_model, path)
     return ExportedModel(path, decoder_io, metadata)
 
 

@@ -20,8 +20,9 @@ from typing import Dict, List, Optional, Union
 import onnx
 import onnx_ir as ir
 
-from ..contract import DOMAIN, OP_TYPE, DecoderIO, folder_metadata
+from ..contract import DOMAIN, OP_TYPE, DecoderIO, folder_metadata, load_graph
 from ..errors import InfMoEError
+from .exporter import save_model
 from .function import ir_function
 
 
@@ -84,10 +85,7 @@ def _dims(value: onnx.ValueInfoProto) -> list:
 
 def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = False) -> Inspection:
     path = model_path(path)
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as error:  # protobuf's DecodeError and friends
-        raise InfMoEError(f"{path} is not a readable ONNX model ({type(error).__name__})") from None
+    proto = load_graph(path)
     graph = proto.graph
     metadata = {p.key: p.value for p in proto.metadata_props}
     source = "model" if "infmoe.config" in metadata else "missing"
@@ -95,9 +93,9 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
         kept = folder_metadata(path)
         if kept is not None:
             metadata, source = kept, "config.json"
-    io = None
+    decoder_io = None
     if source != "missing":
-        io = DecoderIO.from_metadata(metadata)
+        decoder_io = DecoderIO.from_metadata(metadata)
     op_nodes = sum(1 for node in graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE)
     has_function = any(f.domain == DOMAIN and f.name == OP_TYPE for f in proto.functions)
     claims = metadata.get("infmoe.has_function") == "1"
@@ -108,7 +106,7 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
     consumed = sorted({name for node in graph.node for name in node.input if name in produced_outputs})
     size = path.stat().st_size + sum(p.stat().st_size for p in path.parent.glob(path.name + ".data"))
     found = Inspection(path, size, {o.domain or "ai.onnx": o.version for o in proto.opset_import}, metadata,
-                       source, io, {v.name: _dims(v) for v in graph.input}, {v.name: _dims(v) for v in graph.output},
+                       source, decoder_io, {v.name: _dims(v) for v in graph.input}, {v.name: _dims(v) for v in graph.output},
                        op_nodes, has_function, claims, unnamed, node_meta, consumed)
     fix = f"infmoe-export inspect {path} --repair FIXED.onnx"
     if source == "missing":
@@ -127,7 +125,7 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
             found.problems.append("ContinuousSliceFFN without the fallback function: it runs only with the "
                                   "onnxruntime kernel, which is not installed here (docs/onnxruntime-kernel.md), "
                                   f"or add the function: {fix}")
-    if io is not None and not io.config.is_dense and op_nodes == 0:
+    if decoder_io is not None and not decoder_io.config.is_dense and op_nodes == 0:
         found.problems.append("no ContinuousSliceFFN node: the op was inlined into standard ops (a tool ran it "
                               "through an onnxruntime session without the kernel: quant_pre_process, the "
                               "transformers optimizer at opt_level >= 1, ORT-format conversion). It runs, slower, "
@@ -172,13 +170,6 @@ def repair_model(path: Union[str, os.PathLike], out: Union[str, os.PathLike]) ->
         done.append(f"added the fallback function (opset {opset})")
     metadata["infmoe.has_function"] = str(int(found.has_function or added))
     model.metadata_props.update(metadata)
-    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(os.path.dirname(os.path.abspath(out))) / f".{out.name}.repair"
-    try:
-        ir.save(model, str(staging), external_data=(out.name + ".data") if size > 2**31 - 2**26 else None)
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            staging.unlink()
+    save_model(model, out)
     return done or ["nothing to repair: copied"]

@@ -46,40 +46,40 @@ def _tensor(name: str, dtype: str, shape) -> str:
     return f'  {{ name: "{name}" data_type: {dtype} dims: [ {_dims(shape)} ] }}'
 
 
-def _io_blocks(io: DecoderIO) -> str:
+def _io_blocks(decoder_io: DecoderIO) -> str:
     """input/output blocks of a per-K model, batch dim included in dims (max_batch_size 0):
     the cache's batch and past dims are dynamic, which Triton's own batching cannot split."""
-    shapes = io.shapes()
-    types = {name: ("TYPE_INT64" if t.__name__ == "int64" else "TYPE_FP32") for name, t in io.dtypes().items()}
-    inputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in io.input_names)
-    outputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in io.output_names)
+    shapes = decoder_io.shapes()
+    types = {name: ("TYPE_INT64" if t.__name__ == "int64" else "TYPE_FP32") for name, t in decoder_io.dtypes().items()}
+    inputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in decoder_io.input_names)
+    outputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in decoder_io.output_names)
     return f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
 
 
-def onnx_model_config(name: str, io: DecoderIO, library: Optional[str]) -> str:
+def onnx_model_config(name: str, decoder_io: DecoderIO, library: Optional[str]) -> str:
     """An onnxruntime-backend model; `library` is the kernel's path as the server sees it."""
     ops = f'model_operations {{ op_library_filename: [ "{library}" ] }}\n' if library else ""
     return (f'name: "{name}"\nbackend: "onnxruntime"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
-            f"{_io_blocks(io)}{ops}"
+            f"{_io_blocks(decoder_io)}{ops}"
             'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
-            'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % io.k)
+            'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % decoder_io.k)
 
 
-def tensorrt_model_config(name: str, io: DecoderIO) -> str:
+def tensorrt_model_config(name: str, decoder_io: DecoderIO) -> str:
     """A TensorRT-backend model (an engine of `infmoe-export trt`, copied as 1/model.plan)."""
     return (f'name: "{name}"\nbackend: "tensorrt"\nplatform: "tensorrt_plan"\nmax_batch_size: 0\n'
-            f"{_io_blocks(io)}"
+            f"{_io_blocks(decoder_io)}"
             'instance_group [ { count: 1 kind: KIND_GPU } ]\n'
-            'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % io.k)
+            'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % decoder_io.k)
 
 
-def front_model_config(models: Dict[str, Dict[str, str]], io: DecoderIO, executor: str = "local") -> str:
+def front_model_config(models: Dict[str, Dict[str, str]], decoder_io: DecoderIO, executor: str = "local") -> str:
     """The decoding front model (Python backend, sequence batching, oldest-first strategy so that
     the steps of different sequences are batched together). `models` maps "K/precision" to
     {"onnx": path relative to the repository, "triton": the per-K model's name}; the expert
     budget and precision are request parameters (`k`, `precision`)."""
-    routes, inputs, outputs = (_quote(json.dumps(v, sort_keys=True)) for v in (models, io.input_names, io.output_names))
-    vocab_size, n_positions = io.config.vocab_size, io.config.n_positions
+    routes, inputs, outputs = (_quote(json.dumps(v, sort_keys=True)) for v in (models, decoder_io.input_names, decoder_io.output_names))
+    vocab_size, n_positions = decoder_io.config.vocab_size, decoder_io.config.n_positions
     return f"""name: "{FRONT_MODEL}"
 backend: "python"
 max_batch_size: {MAX_BATCH}

@@ -9,7 +9,6 @@ Every config.pbtxt is parsed with Triton's schema before it is written; the repo
 staged beside OUT and published whole (files.staged_dir)."""
 
 import json
-import os
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..contract import DecoderIO
 from ..errors import InfMoEError
-from ..export import export_many
+from ..export import export_onnx
 from ..files import atomic_write, check_replaceable_dir, staged_dir
 from ..runtimes.ort_kernel import custom_op_library
 from ..verify.validate import validate_onnx
@@ -61,41 +60,39 @@ def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = 
         library = None
     names, routes = [], {}
     with staged_dir(out) as stage:
-        exports = stage / ".exports"
         for precision in precisions:
-            done = export_many(model, exports, ks, ("quantile",), dtype=precision,
-                               progress=(lambda d, p=precision: progress(f"export {d} {p}")) if progress else None)
-            for exported in done:
-                if progress:
-                    progress(f"validate K={exported.k} {precision}")
-                validate_onnx(model, exported.path)
-                name = cfg.model_name(exported.k, precision)
+            for k in ks:
+                name = cfg.model_name(k, precision)
                 folder = stage / name
-                (folder / "1").mkdir(parents=True)
-                os.replace(exported.path, folder / "1" / "model.onnx")
+                if progress:
+                    progress(f"export K={k} {precision}")
+                # Straight into Triton's layout: an external-data file stays beside its graph.
+                exported = export_onnx(model, folder / "1" / "model.onnx", k=k, dtype=precision)
+                if progress:
+                    progress(f"validate K={k} {precision}")
+                validate_onnx(model, exported)
                 lib_path = None
                 if library is not None:
                     shutil.copy2(library, folder / LIBRARY)
                     lib_path = f"{mount}/{name}/{LIBRARY}"
                 _write_config(folder, cfg.onnx_model_config(name, exported.io, lib_path))
-                io = exported.io
-                past_shape = [io.config.n_head, 0, io.config.head_dim]
+                decoder_io = exported.io
+                past_shape = [decoder_io.config.n_head, 0, decoder_io.config.head_dim]
                 routes[f"{exported.k}/{precision}"] = {"onnx": f"{name}/1/model.onnx", "triton": name,
                                                        "past_shape": json.dumps(past_shape)}
                 names.append(name)
-                front_io = io
-        shutil.rmtree(exports, ignore_errors=True)
+                front_io = decoder_io
         if manifest is not None:
             from ..runtimes.tensorrt.manifest import select_engine
 
             for entry in manifest["engines"]:
                 entry = select_engine(manifest, entry["k"])
-                io = DecoderIO.from_metadata(entry["metadata"])
+                decoder_io = DecoderIO.from_metadata(entry["metadata"])
                 name = cfg.model_name(entry["k"], entry["precision"], "trt")
                 folder = stage / name
                 (folder / "1").mkdir(parents=True)
                 shutil.copy2(entry["path"], folder / "1" / "model.plan")
-                _write_config(folder, cfg.tensorrt_model_config(name, io))
+                _write_config(folder, cfg.tensorrt_model_config(name, decoder_io))
                 names.append(name)
         front = stage / cfg.FRONT_MODEL
         (front / "1").mkdir(parents=True)

@@ -109,7 +109,7 @@ def parse_network(exported: ExportedModel, jit: bool):
 # Optimization profiles
 
 
-def profile_shapes(io: DecoderIO, max_batch: int, max_seq: int) -> List[dict]:
+def profile_shapes(decoder_io: DecoderIO, max_batch: int, max_seq: int) -> List[dict]:
     """The prefill and decode profiles: {name, shapes: {input: {min, opt, max}}}.
 
     prefill: sequence 1..max_seq with an empty cache; decode: one new token after a cache of
@@ -118,21 +118,21 @@ def profile_shapes(io: DecoderIO, max_batch: int, max_seq: int) -> List[dict]:
     """
     if max_batch < 1:
         raise InfMoEError(f"--max-batch must be at least 1, got {max_batch}")
-    if not 1 <= max_seq <= io.config.n_positions:
-        raise InfMoEError(f"--max-seq must be in [1, {io.config.n_positions}] (the model's n_positions), "
+    if not 1 <= max_seq <= decoder_io.config.n_positions:
+        raise InfMoEError(f"--max-seq must be in [1, {decoder_io.config.n_positions}] (the model's n_positions), "
                           f"got {max_seq}")
     half = max(1, max_seq // 2)
     ranges = {"prefill": {BATCH: (1, 1, max_batch), SEQUENCE: (1, half, max_seq), PAST: (0, 0, 0),
                           TOTAL: (1, half, max_seq)},
               "decode": {BATCH: (1, 1, max_batch), SEQUENCE: (1, 1, 1), PAST: (0, half - 1, max_seq - 1),
                          TOTAL: (1, half, max_seq)}}
-    if not io.past:  # no cache inputs: one profile, attention_mask spans the sequence only
+    if not decoder_io.past:  # no cache inputs: one profile, attention_mask spans the sequence only
         ranges = {"prefill": ranges["prefill"]}
-    shapes = io.shapes()
+    shapes = decoder_io.shapes()
     profiles = []
     for name, dims in ranges.items():
         inputs = {}
-        for tensor in io.input_names:
+        for tensor in decoder_io.input_names:
             bounds = [dims[d] if isinstance(d, str) else (d, d, d) for d in shapes[tensor]]
             inputs[tensor] = {key: [b[i] for b in bounds] for i, key in enumerate(("min", "opt", "max"))}
         profiles.append({"name": name, "shapes": inputs})

@@ -37,16 +37,16 @@ class TrtRunner(PolygraphyTrtRunner):
     profile (prefill or decode) is picked from each feed's shapes.
     """
 
-    def __init__(self, io: DecoderIO, entry: dict, *, name: Optional[str] = None):
+    def __init__(self, decoder_io: DecoderIO, entry: dict, *, name: Optional[str] = None):
         """entry: the engine's manifest entry (select_engine), which records its profiles."""
         require_tensorrt()
-        if DecoderIO.from_metadata(entry["metadata"]) != io:
+        if DecoderIO.from_metadata(entry["metadata"]) != decoder_io:
             raise InfMoEError(f"engine {entry['path']} was built for other inputs and outputs than the ones given")
-        self.io, self.manifest_entry = io, entry
+        self.io, self.manifest_entry = decoder_io, entry
         if entry["plugin"] == "jit":  # the engine calls back into the Python plugin; an AOT one holds its kernel
             require_cuda_torch()
             register_plugin()
-        super().__init__(EngineFromBytes(BytesFromPath(entry["path"])), name=name or f"tensorrt-k{io.k}")
+        super().__init__(EngineFromBytes(BytesFromPath(entry["path"])), name=name or f"tensorrt-k{decoder_io.k}")
 
     @classmethod
     def from_engines(cls, engines, k: int, *, name: Optional[str] = None) -> "TrtRunner":
