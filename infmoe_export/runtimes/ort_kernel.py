@@ -7,6 +7,7 @@ compiler), every model still runs on its ONNX fallback function (SPEC §4), only
 `register` says so once.
 """
 
+import functools
 import importlib.metadata
 import importlib.resources
 import os
@@ -22,6 +23,7 @@ DISTRIBUTION = "infmoe-export"
 _warned = False
 
 
+@functools.lru_cache(maxsize=1)  # an installation does not move while the process runs
 def _installed_library() -> Optional[pathlib.Path]:
     """Where the package build installed the library, or None.
 
