@@ -12,7 +12,7 @@ import infmoe_export
 PACKAGE = Path(infmoe_export.__file__).parent
 # Bottom to top; a part may import its own layer and those below (docs/design.md, "Layout").
 LAYERS = [
-    {"errors", "files", "limits", "options", "model"},
+    {"errors", "files", "limits", "options", "model", "quant"},
     {"contract", "checkpoint", "data"},
     {"evaluate", "train", "export", "runtimes"},
     {"verify"},

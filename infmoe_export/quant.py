@@ -1,0 +1,163 @@
+"""Block quantization of the expert weights and the op `infmoe::QContinuousSliceFFN` (SPEC §6).
+
+One row of w_in or w_out (a hidden unit, length D) is cut into blocks of B consecutive columns;
+each block gets one scale, max|w| / qmax, and its weights are rounded half to even onto
+[-qmax, qmax]. Storage is unsigned with the offset 2^(bits-1) (MatMulNBits' layout): a byte per
+weight at int8, two per byte at int4 (even column in the low nibble, a pad nibble of 8 when D is
+odd). The dequantized weights w' = q * scale are what every kernel must reproduce (level 1).
+"""
+
+import copy
+from typing import NamedTuple
+
+import torch
+
+from .errors import InfMoEError
+from .model import InfMoEGPT, continuous_slice_ffn
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK_SIZE = 32
+Q_OP_TYPE = "QContinuousSliceFFN"
+
+
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise InfMoEError(f"bits must be 4 or 8, got {bits!r}")
+    return bits
+
+
+def check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 \
+            or block_size & (block_size - 1):
+        raise InfMoEError(f"block size must be a power of two >= 16, got {block_size!r}")
+    return block_size
+
+
+def n_blocks(d: int, block_size: int) -> int:
+    return -(-d // block_size)
+
+
+def packed_columns(d: int, bits: int) -> int:
+    return d if bits == 8 else -(-d // 2)
+
+
+def _blocked(w: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[H, D] -> [H, nb, B], the partial last block padded with zeros (they change no max)."""
+    h, d = w.shape
+    pad = n_blocks(d, block_size) * block_size - d
+    return torch.nn.functional.pad(w, (0, pad)).view(h, -1, block_size)
+
+
+def quantize(w: torch.Tensor, bits: int, block_size: int):
+    """w [H, D] float -> (q int8 [H, D] in [-qmax, qmax], scale float32 [H, ceil(D / B)])."""
+    check_bits(bits), check_block_size(block_size)
+    w = w.detach().to(torch.float32)
+    blocks = _blocked(w, block_size)
+    scale = blocks.abs().amax(dim=-1) / qmax(bits)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe.unsqueeze(-1)).clamp(-qmax(bits), qmax(bits))
+    q = torch.where(scale.unsqueeze(-1) > 0, q, torch.zeros_like(q))
+    return q.reshape(w.shape[0], -1)[:, :w.shape[1]].to(torch.int8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block_size: int, dtype=torch.float32) -> torch.Tensor:
+    """w'[i, j] = q[i, j] * scale[i, j div B], computed in float32, returned in dtype."""
+    d = q.shape[1]
+    w = _blocked(q.to(torch.float32), block_size) * scale.to(torch.float32).unsqueeze(-1)
+    return w.reshape(q.shape[0], -1)[:, :d].to(dtype)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed q [H, D] -> the uint8 storage of SPEC §6."""
+    stored = (q.to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
+    if bits == 8:
+        return stored
+    if stored.shape[1] % 2:  # the pad nibble of an odd D holds the offset (q = 0)
+        stored = torch.cat([stored, torch.full_like(stored[:, :1], 8)], dim=1)
+    return stored[:, 0::2] | (stored[:, 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """The uint8 storage -> signed q [H, D] (int8)."""
+    if bits == 8:
+        stored = packed.to(torch.int16)
+    else:
+        low, high = (packed & 0x0F).to(torch.int16), (packed >> 4).to(torch.int16)
+        stored = torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)[:, :d]
+    return (stored - 2 ** (bits - 1)).to(torch.int8)
+
+
+class QuantizedWeight(NamedTuple):
+    packed: torch.Tensor  # uint8 storage
+    scale: torch.Tensor   # [H, ceil(D / B)]
+
+    @classmethod
+    def of(cls, w: torch.Tensor, bits: int, block_size: int, scale_dtype=torch.float32):
+        q, scale = quantize(w, bits, block_size)
+        return cls(pack(q, bits), scale.to(scale_dtype))
+
+    def dequantized(self, bits: int, block_size: int, d: int, dtype=torch.float32) -> torch.Tensor:
+        return dequantize(unpack(self.packed, bits, d), self.scale, block_size, dtype)
+
+
+def check_q_op_inputs(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width, bits,
+                      block_size, activation="gelu_tanh"):
+    """The quantized op's own rules (bits, block size, storage shapes and types), then the float
+    op's on the dequantized shapes. Returns (H, D, K). One line per refusal, naming the rule."""
+    def refuse(message):
+        raise InfMoEError(f"{Q_OP_TYPE}: {message}")
+
+    try:
+        check_bits(bits), check_block_size(block_size)
+    except InfMoEError as error:
+        refuse(str(error))
+    if x.dim() < 1:
+        refuse(f"X must have shape [..., D], got {list(x.shape)}")
+    d = x.shape[-1]
+    h = w_in_q.shape[0] if w_in_q.dim() == 2 else -1
+    shapes = (("w_in_q", w_in_q, [h, packed_columns(d, bits)]), ("w_out_q", w_out_q, [h, packed_columns(d, bits)]),
+              ("w_in_scale", w_in_scale, [h, n_blocks(d, block_size)]),
+              ("w_out_scale", w_out_scale, [h, n_blocks(d, block_size)]))
+    for name, tensor, shape in shapes:
+        if list(tensor.shape) != shape:
+            refuse(f"{name} must have shape {shape} for D {d}, {bits} bits and block size {block_size}, "
+                   f"got {list(tensor.shape)}")
+    for name, tensor in (("w_in_q", w_in_q), ("w_out_q", w_out_q)):
+        if tensor.dtype != torch.uint8:
+            refuse(f"{name} must be uint8, got {tensor.dtype}")
+    for name, tensor in (("w_in_scale", w_in_scale), ("w_out_scale", w_out_scale)):
+        if tensor.dtype != x.dtype:
+            refuse(f"{name} must have X's dtype {x.dtype}, got {tensor.dtype}")
+    return h, d, starts.shape[-1] if starts.dim() else 0
+
+
+def q_continuous_slice_ffn(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width: int,
+                           bits: int, block_size: int, activation: str = "gelu_tanh") -> torch.Tensor:
+    """`infmoe::QContinuousSliceFFN`: section 3's y with the dequantized weights w' (SPEC §6)."""
+    _, d, _ = check_q_op_inputs(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width,
+                                bits, block_size, activation)
+    w_in = dequantize(unpack(w_in_q, bits, d), w_in_scale, block_size, x.dtype)
+    w_out = dequantize(unpack(w_out_q, bits, d), w_out_scale, block_size, x.dtype)
+    return continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width, activation)
+
+
+def dequantized_model(model: InfMoEGPT, bits: int, block_size: int) -> InfMoEGPT:
+    """A copy of the model whose expert weights are w' (float32): the level-1 reference."""
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in copied.h:
+            for name in ("w_in", "w_out"):
+                weight = getattr(block.moe, name)
+                q, scale = quantize(weight, bits, block_size)
+                weight.copy_(dequantize(q, scale, block_size))
+    return copied
+
+
+def expert_bytes(h: int, d: int, bits: int, block_size: int, scale_bytes: int = 4) -> int:
+    """Bytes of one packed expert matrix and its scales."""
+    return h * packed_columns(d, bits) + h * n_blocks(d, block_size) * scale_bytes
