@@ -16,9 +16,20 @@ USABLE_SHARE = 0.8
 CAP_VARIABLE = "INFMOE_MAX_MEMORY_GIB"
 
 
+def _process_bytes(virtual: bool) -> int:
+    """This process's address space (virtual) or resident memory now: what a limit on the whole
+    process has already spent."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0 if virtual else 1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def available_bytes() -> int:
     """The memory a command may plan with: MemAvailable from /proc/meminfo (else the physical
-    memory), lowered by the process's address-space limit and by $INFMOE_MAX_MEMORY_GIB."""
+    memory), lowered by the process's address-space limit and by $INFMOE_MAX_MEMORY_GIB. Both
+    bound the whole process, so what it holds already (libraries, the model) is taken off them."""
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:
@@ -29,14 +40,14 @@ def available_bytes() -> int:
         pass
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     if limit != resource.RLIM_INFINITY:
-        available = min(available, limit)
+        available = min(available, limit - _process_bytes(virtual=True))
     cap = os.environ.get(CAP_VARIABLE)
     if cap:
         try:
-            available = min(available, int(float(cap) * 2**30))
+            available = min(available, int(float(cap) * 2**30) - _process_bytes(virtual=False))
         except ValueError:
             raise InfMoEError(f"${CAP_VARIABLE} must be a number of GiB, got {cap!r}") from None
-    return available
+    return max(available, 0)
 
 
 def check_fits(nbytes: int, what: str) -> None:
@@ -57,8 +68,9 @@ def check_file_size(path, limit: int, what: str) -> int:
 
 def forward_bytes(config, batch: int, seq: int, k: int) -> int:
     """A generous estimate of one reference forward's working memory (float32): per token the
-    K starts and noise, the H-wide coverage and hidden activations, the logits, the residual
-    stream, and the whole KV cache."""
-    per_token = 24 * k + 16 * config.ffn_hidden + 8 * config.vocab_size + 64 * config.d_model
+    K starts, noise, router outputs and their temporaries (measured: about 35 bytes per window),
+    the H-wide coverage and hidden activations, the logits, the residual stream, and the whole
+    KV cache."""
+    per_token = 48 * k + 16 * config.ffn_hidden + 8 * config.vocab_size + 64 * config.d_model
     cache = 8 * config.n_layer * config.d_model
     return batch * seq * (per_token + cache)

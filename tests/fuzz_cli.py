@@ -15,6 +15,7 @@ import io
 import json
 import os
 import random
+import resource
 import signal
 import stat
 import sys
@@ -199,8 +200,9 @@ def main_fuzz(root: Path, seed: int):
     for number, (args, interrupt) in enumerate(invocations):
         started = time.perf_counter()
         code, out, err = run_one(args, interrupt)
-        print(f"{number} {code} {time.perf_counter() - started:.2f}s {' '.join(args)[:150]!r}", file=sys.stderr,
-              flush=True)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        print(f"{number} {code} {time.perf_counter() - started:.2f}s peak {peak} MiB {' '.join(args)[:150]!r}",
+              file=sys.stderr, flush=True)
         codes[code] = codes.get(code, 0) + 1
         shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in args)
         # Python prints "Exception ignored in ..." when the timer's KeyboardInterrupt lands in a
@@ -228,7 +230,6 @@ def main_fuzz(root: Path, seed: int):
     cache_entries = list((root / "cache").rglob("model.onnx"))
     for entry in cache_entries:  # whatever the cache holds must be a complete, readable model
         ExportedModel.read(entry)
-    import resource
     print(json.dumps({"invocations": len(invocations), "interrupted": sum(1 for _, i in invocations if i),
                       "exit_codes": {str(k): v for k, v in sorted(codes.items(), key=str)}, "problems": problems,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
