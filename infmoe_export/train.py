@@ -1,5 +1,8 @@
 """Train an ∞-MoE GPT from scratch on bytes: AdamW, linear warm-up then cosine decay, sampled
-expert noise (the paper's Monte-Carlo estimator), periodic validation loss, an atomic checkpoint."""
+expert noise (the paper's Monte-Carlo estimator), a training-only spread term that keeps each
+token's windows apart, periodic validation loss, an atomic checkpoint."""
+
+import contextlib
 
 import math
 from typing import Callable, Dict, List, Optional, Sequence
@@ -41,11 +44,43 @@ def random_batch(ids: torch.Tensor, batch_size: int, length: int, generator: tor
     return chunks[:, :-1], chunks[:, 1:]
 
 
+def start_entropy(mu: torch.Tensor, sigma: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Per token, the differential entropy of the continuous start t = sigmoid(z)(H - r + 1),
+    z ~ N(mu, sigma^2), up to constants: log sigma + E[log sigmoid'(z)], the expectation over the
+    token's own samples z. It acts on where the windows land in hidden units, not on sigma alone:
+    a large |mu| saturates the sigmoid and collapses the windows whatever sigma is
+    (../shared/notes/tradeoff-experiments.md), and this term sees that through sigmoid'(z).
+    Bounded above (t uniform over the start range), so it cannot grow without limit."""
+    log_sigmoid_slope = -F.softplus(z) - F.softplus(-z)  # log(sigmoid(z) * sigmoid(-z))
+    return torch.log(sigma).squeeze(-1) + log_sigmoid_slope.mean(-1)
+
+
+@contextlib.contextmanager
+def router_entropies(model: InfMoEGPT):
+    """Collects start_entropy of every layer's router during the forwards in this block."""
+    collected: List[torch.Tensor] = []
+
+    def hook(router, inputs, z):
+        x = inputs[0]
+        collected.append(start_entropy(router.mu(x), F.softplus(router.sigma(x)), z))
+
+    handles = [block.moe.router.register_forward_hook(hook) for block in model.h
+               if block.moe.slice_width < block.moe.ffn_hidden]  # a dense layer has no windows
+    try:
+        yield collected
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequence[torch.Tensor], *,
                 steps: int, batch_size: int, lr: float, seed: int, eval_every: int,
-                weight_decay: float = 0.1, warmup: Optional[int] = None,
+                weight_decay: float = 0.1, warmup: Optional[int] = None, spread_weight: float = 0.0,
                 on_step: Optional[Callable[[int, float, Optional[float]], None]] = None):
-    """Returns (model in eval mode, log: a list of {step, lr, loss[, val_loss]} records)."""
+    """Returns (model in eval mode, log: a list of {step, lr, loss[, spread][, val_loss]} records).
+
+    The loss minimised is cross-entropy - spread_weight * mean start entropy (over tokens and
+    layers); the logged `loss` is the cross-entropy alone, comparable across weights."""
     from .evaluate import window_nll
 
     length = config.n_positions
@@ -72,13 +107,18 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         x, y = random_batch(train_ids, batch_size, length, data_generator)
-        logits = model(x, noise="sampled", generator=noise_generator).logits
+        with router_entropies(model) as entropies:
+            logits = model(x, noise="sampled", generator=noise_generator).logits
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        spread = torch.stack([e.mean() for e in entropies]).mean() if entropies else None
+        objective = loss - spread_weight * spread if spread is not None and spread_weight else loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         record = {"step": step + 1, "lr": optimizer.param_groups[0]["lr"], "loss": loss.item()}
+        if spread is not None:
+            record["spread"] = spread.item()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             record["val_loss"] = val_loss(val_windows if step + 1 == steps else eval_windows)
         log.append(record)

@@ -174,3 +174,44 @@ def test_doctor_json(run_cli):
     library = info["ort_custom_op_library"]
     assert library is None or Path(library).is_file()
     assert {"onnxruntime", "tensorrt", "polygraphy", "nvcc", "triton"} <= set(info)
+
+
+def test_spread_term_reopens_collapsed_windows():
+    """The training-only spread term's gradient reaches sigma and mu: from a collapsed router
+    (tiny sigma, mu deep in the sigmoid's tail) a few steps on it alone raise sigma and widen
+    the union of a token's windows."""
+    from infmoe_export.model import InfMoEGPT
+    from infmoe_export.train import router_entropies
+
+    config = InfMoEConfig(vocab_size=256, n_positions=16, d_model=24, n_layer=2, n_head=2, ffn_hidden=97,
+                          slice_width=9, num_samples=4)
+    model = InfMoEGPT(config)
+    model.reset_parameters(seed=int(torch.randint(0, 2**31, ())))
+    with torch.no_grad():
+        for block in model.h:
+            block.moe.router.sigma.bias.fill_(-6.0)  # softplus(-6) ~ 0.0025
+            block.moe.router.mu.bias.fill_(4.0)      # sigmoid'(4) ~ 0.018: starts pile up at the top
+    x = torch.randint(0, 256, (3, 16))
+
+    def measure():
+        model.eval()
+        with torch.no_grad():
+            starts = model(x, k=8, return_starts=True).starts
+            sigma = torch.nn.functional.softplus(model.h[0].moe.router.sigma.bias).item()
+        model.train()
+        distinct = torch.stack([torch.tensor([len(set(row.tolist())) for row in s.reshape(-1, 8)]) for s in starts])
+        return sigma, distinct.float().mean().item()
+
+    sigma_before, distinct_before = measure()
+    optimizer = torch.optim.Adam([p for n, p in model.named_parameters() if ".router." in n], lr=0.3)
+    for _ in range(20):
+        with router_entropies(model) as entropies:
+            model(x, noise="sampled")
+        loss = -torch.stack([e.mean() for e in entropies]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    sigma_after, distinct_after = measure()
+    assert len(entropies) == config.n_layer
+    assert sigma_after > 10 * sigma_before, (sigma_before, sigma_after)
+    assert distinct_after > distinct_before + 2, (distinct_before, distinct_after)
