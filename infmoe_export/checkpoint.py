@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -16,6 +16,16 @@ from .model import InfMoEConfig, InfMoEGPT
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_CHECKPOINT = Path(__file__).parent / "default_model"
+# Dense models trained by the same command, data, steps and seed (docs/model.md): one with the
+# bundled model's active FFN size at K = 1 (H = r), one with its total size (H = 1024).
+BASELINES_DIR = Path(__file__).parent / "baselines"
+
+
+def bundled_baselines() -> List[Path]:
+    """The bundled dense baseline checkpoints that are present, by name."""
+    if not BASELINES_DIR.is_dir():
+        return []
+    return sorted(p for p in BASELINES_DIR.iterdir() if (p / CONFIG_FILE).is_file())
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names
 TENSORS_PER_MODEL, TENSORS_PER_LAYER = 4, 16  # SPEC §2's table
 
