@@ -21,16 +21,33 @@ using ParallelFor = std::function<void(size_t n, const std::function<void(size_t
 
 // Empty when every start lies in [0, h - r]; otherwise the message naming the first that does
 // not, e.g. "starts[5] = 40 is outside [0, 39] (H = 48, slice_width = 9)". Callers must check
-// this (and 1 <= r <= h, k >= 1) before calling ContinuousSliceFFN.
+// this (and 1 <= r <= h, k >= 1) before calling either op.
 std::string CheckStarts(const int64_t* starts, const Sizes& sizes);
 
 // Element types: float, or IEEE half stored as uint16_t (computed in float).
 // Preconditions (checked by the caller): shapes agree, 1 <= r <= h, every start in [0, h - r].
-// Runs the widest variant this CPU supports (see CpuVariant).
+// Runs the widest variant this CPU supports (see CpuVariant), as does QContinuousSliceFFN.
 template <typename T>
 void ContinuousSliceFFN(const Sizes& sizes, const T* x, const int64_t* starts, const T* w_in,
                         const T* b_in, const T* w_out, const T* b_out, T* y,
                         const ParallelFor& parallel_for);
+
+// infmoe::QContinuousSliceFFN (SPEC §6): w_in and w_out stored as `bits`-bit integers (uint8
+// storage, offset 2^(bits-1); int4: two per byte, even column in the low nibble) with one scale
+// of type T per block of block_size columns of a row. Preconditions as above, plus: bits 4 or 8,
+// block_size a power of two >= 16, packed [h, d or ceil(d/2)] and scale [h, ceil(d/block_size)].
+struct Quantization {
+  int64_t bits, block_size;
+};
+template <typename T>
+struct QuantizedMatrix {
+  const uint8_t* packed;
+  const T* scale;
+};
+template <typename T>
+void QContinuousSliceFFN(const Sizes& sizes, const Quantization& quantization, const T* x, const int64_t* starts,
+                         const QuantizedMatrix<T>& w_in, const T* b_in, const QuantizedMatrix<T>& w_out,
+                         const T* b_out, T* y, const ParallelFor& parallel_for);
 
 // The compiled variant ContinuousSliceFFN runs on this CPU: "avx512", "avx2" or "baseline"
 // (x86-64), "baseline" elsewhere. Chosen once, at the first call, with __builtin_cpu_supports;

@@ -1,5 +1,6 @@
-// onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4): attribute and shape checks,
-// output allocation, the intra-op thread pool, and the RegisterCustomOps entry point.
+// onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4) and infmoe::QContinuousSliceFFN v1
+// (SPEC §6): attribute, type and shape checks, output allocation, the intra-op thread pool, and the
+// RegisterCustomOps entry point.
 // Built against the C/C++ API with ORT_API_MANUAL_INIT; no onnxruntime library is linked.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -18,7 +19,6 @@
 namespace {
 
 constexpr const char* kDomain = "infmoe";
-constexpr const char* kOpName = "ContinuousSliceFFN";
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::ostringstream out;
@@ -28,32 +28,45 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return out.str();
 }
 
-[[noreturn]] void Fail(const std::string& message) {
-  throw Ort::Exception(std::string(kOpName) + ": " + message, ORT_INVALID_ARGUMENT);
-}
+// Thrown by the checks; Guard prefixes the op's name.
+[[noreturn]] void Fail(const std::string& message) { throw Ort::Exception(std::string(message), ORT_INVALID_ARGUMENT); }
 
-// Checks every input shape against X's and returns the flattened sizes.
-infmoe::Sizes CheckShapes(const std::vector<std::vector<int64_t>>& shapes, int64_t r) {
-  const auto& x = shapes[0];
-  const auto& starts = shapes[1];
+// X [..., D] and starts [..., K]: the flattened sizes, with h and r still to be filled in.
+infmoe::Sizes CheckTokens(const std::vector<int64_t>& x, const std::vector<int64_t>& starts) {
   if (x.empty()) Fail("X must have at least one dimension [..., D], got a scalar");
-  const int64_t d = x.back();
   if (starts.size() != x.size()) Fail("starts " + ShapeString(starts) + " must have the same rank as X " + ShapeString(x));
   for (size_t i = 0; i + 1 < x.size(); ++i) {
     if (starts[i] != x[i]) Fail("starts " + ShapeString(starts) + " must have the leading dims of X " + ShapeString(x));
   }
   const int64_t k = starts.back();
   if (k < 1) Fail("starts " + ShapeString(starts) + " must hold at least one window per token");
-  const auto& w_in = shapes[2];
-  if (w_in.size() != 2 || w_in[1] != d) Fail("w_in " + ShapeString(w_in) + " must be [H, D] with D = " + std::to_string(d));
-  const int64_t h = w_in[0];
-  if (shapes[3] != std::vector<int64_t>{h}) Fail("b_in " + ShapeString(shapes[3]) + " must be [H] = [" + std::to_string(h) + "]");
-  if (shapes[4] != w_in) Fail("w_out " + ShapeString(shapes[4]) + " must be [H, D] = " + ShapeString(w_in));
-  if (shapes[5] != std::vector<int64_t>{d}) Fail("b_out " + ShapeString(shapes[5]) + " must be [D] = [" + std::to_string(d) + "]");
-  if (r > h) Fail("slice_width " + std::to_string(r) + " is larger than H = " + std::to_string(h));
   int64_t tokens = 1;
   for (size_t i = 0; i + 1 < x.size(); ++i) tokens *= x[i];
-  return {tokens, d, h, k, r};
+  return {tokens, x.back(), 0, k, 0};
+}
+
+void RequireShape(const char* name, const std::vector<int64_t>& shape, const std::vector<int64_t>& expected,
+                  const std::string& meaning) {
+  if (shape != expected) Fail(std::string(name) + " " + ShapeString(shape) + " must be " + meaning + " = " + ShapeString(expected));
+}
+
+// The checks that follow H: b_in, b_out and slice_width.
+void CheckBiases(const std::vector<int64_t>& b_in, const std::vector<int64_t>& b_out, infmoe::Sizes& s, int64_t r) {
+  RequireShape("b_in", b_in, {s.h}, "[H]");
+  RequireShape("b_out", b_out, {s.d}, "[D]");
+  if (r > s.h) Fail("slice_width " + std::to_string(r) + " is larger than H = " + std::to_string(s.h));
+  s.r = r;
+}
+
+// ContinuousSliceFFN: X, starts, w_in [H, D], b_in, w_out [H, D], b_out.
+infmoe::Sizes CheckShapes(const std::vector<std::vector<int64_t>>& shapes, int64_t r) {
+  infmoe::Sizes s = CheckTokens(shapes[0], shapes[1]);
+  const auto& w_in = shapes[2];
+  if (w_in.size() != 2 || w_in[1] != s.d) Fail("w_in " + ShapeString(w_in) + " must be [H, D] with D = " + std::to_string(s.d));
+  s.h = w_in[0];
+  RequireShape("w_out", shapes[4], w_in, "[H, D]");
+  CheckBiases(shapes[3], shapes[5], s, r);
+  return s;
 }
 
 void RequireValidStarts(const int64_t* starts, const infmoe::Sizes& s) {
@@ -61,7 +74,28 @@ void RequireValidStarts(const int64_t* starts, const infmoe::Sizes& s) {
   if (!problem.empty()) Fail(problem);
 }
 
-// Attributes shared by the CPU and CUDA kernels.
+// An int64 attribute; `absent` is returned when it is missing, a value of another type is refused.
+int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* name, const char* what, const int64_t* absent) {
+  try {
+    return info.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception&) {
+  }
+  bool present = false;
+  try {
+    (void)info.GetAttribute<float>(name);
+    present = true;
+  } catch (const Ort::Exception&) {
+  }
+  try {
+    (void)info.GetAttribute<std::string>(name);
+    present = true;
+  } catch (const Ort::Exception&) {
+  }
+  if (present || absent == nullptr) Fail(std::string("attribute '") + name + "' (an int, " + what + ") is required");
+  return *absent;
+}
+
+// Attributes shared by the ops and the CPU and CUDA kernels.
 struct Attributes {
   int64_t slice_width = 0;
 
@@ -97,54 +131,161 @@ struct Attributes {
   }
 };
 
+// QContinuousSliceFFN adds bits and block_size (SPEC §6), both required.
+struct QuantizedAttributes : Attributes {
+  infmoe::Quantization quantization{};
+
+  explicit QuantizedAttributes(const OrtKernelInfo* info) : Attributes(info) {
+    Ort::ConstKernelInfo kernel_info(info);
+    const int64_t bits = IntAttribute(kernel_info, "bits", "4 or 8", nullptr);
+    if (bits != 4 && bits != 8) Fail("bits must be 4 or 8, got " + std::to_string(bits));
+    const int64_t block = IntAttribute(kernel_info, "block_size", "a power of two >= 16", nullptr);
+    if (block < 16 || (block & (block - 1)) != 0) Fail("block_size must be a power of two >= 16, got " + std::to_string(block));
+    quantization = {bits, block};
+  }
+};
+
 // Converts any exception into an OrtStatus: onnxruntime reports it, nothing unwinds through C.
 template <typename Body>
-OrtStatusPtr Guard(Body&& body) {
+OrtStatusPtr Guard(const char* op, Body&& body) {
   try {
     body();
     return nullptr;
   } catch (const Ort::Exception& error) {
-    return Ort::GetApi().CreateStatus(error.GetOrtErrorCode(), error.what());
+    return Ort::GetApi().CreateStatus(error.GetOrtErrorCode(), (std::string(op) + ": " + error.what()).c_str());
   } catch (const std::exception& error) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(kOpName) + ": " + error.what()).c_str());
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(op) + ": " + error.what()).c_str());
   }
 }
 
-// The op's six inputs and their shapes.
+// An op's inputs, their element types and shapes.
 struct Inputs {
   std::vector<Ort::ConstValue> values;
+  std::vector<ONNXTensorElementDataType> types;
   std::vector<std::vector<int64_t>> shapes;
 
-  explicit Inputs(const Ort::KernelContext& context) {
-    for (size_t i = 0; i < 6; ++i) {
+  Inputs(const Ort::KernelContext& context, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
       values.push_back(context.GetInput(i));
-      shapes.push_back(values.back().GetTensorTypeAndShapeInfo().GetShape());
+      const auto info = values.back().GetTensorTypeAndShapeInfo();
+      types.push_back(info.GetElementType());
+      shapes.push_back(info.GetShape());
     }
+  }
+  template <typename T>
+  const T* Data(size_t i) const {
+    return reinterpret_cast<const T*>(values[i].GetTensorRawData());
   }
 };
 
+// onnxruntime's intra-op pool as the computation's ParallelFor.
+infmoe::ParallelFor ParallelForOf(const Ort::KernelContext& context) {
+  return [&context](size_t n, const std::function<void(size_t)>& body) {
+    if (n == 1) return body(0);
+    auto call = [](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); };
+    context.ParallelFor(call, n, 0, const_cast<std::function<void(size_t)>*>(&body));
+  };
+}
+
 template <typename T>
 struct CpuKernel {
+  static constexpr const char* kName = "ContinuousSliceFFN";
+  static constexpr size_t kInputs = 6;
+  static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
+    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : x;
+  }
+
   Attributes attributes;
   explicit CpuKernel(const OrtKernelInfo* info) : attributes(info) {}
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
-    return Guard([&] {
+    return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context);
+      const Inputs inputs(context, kInputs);
       const infmoe::Sizes sizes = CheckShapes(inputs.shapes, attributes.slice_width);
-      const int64_t* starts = inputs.values[1].GetTensorData<int64_t>();
+      const int64_t* starts = inputs.Data<int64_t>(1);
       RequireValidStarts(starts, sizes);
       Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
+      infmoe::ContinuousSliceFFN<T>(sizes, inputs.Data<T>(0), starts, inputs.Data<T>(2), inputs.Data<T>(3),
+                                    inputs.Data<T>(4), inputs.Data<T>(5), reinterpret_cast<T*>(output.GetTensorMutableRawData()),
+                                    ParallelForOf(context));
+    });
+  }
+};
 
-      const infmoe::ParallelFor parallel_for = [&](size_t n, const std::function<void(size_t)>& body) {
-        if (n == 1) return body(0);
-        auto call = [](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); };
-        context.ParallelFor(call, n, 0, const_cast<std::function<void(size_t)>*>(&body));
-      };
-      auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs.values[i].GetTensorRawData()); };
-      infmoe::ContinuousSliceFFN<T>(sizes, data(0), starts, data(2), data(3), data(4), data(5),
-                                    reinterpret_cast<T*>(output.GetTensorMutableRawData()), parallel_for);
+const char* TypeName(ONNXTensorElementDataType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    default: return "another type";
+  }
+}
+
+// QContinuousSliceFFN: X, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out. Only X's
+// and starts' types are declared to onnxruntime; the others accept any type and are checked here,
+// so that a wrong one is refused by name (not as "no kernel found").
+constexpr const char* kQuantizedNames[] = {"X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out"};
+
+infmoe::Sizes CheckQuantized(const Inputs& in, const QuantizedAttributes& attributes) {
+  for (size_t i : {2, 5}) {
+    if (in.types[i] != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
+      Fail(std::string(kQuantizedNames[i]) + " must be uint8, got " + TypeName(in.types[i]));
+    }
+  }
+  for (size_t i : {3, 4, 6, 7}) {
+    if (in.types[i] != in.types[0]) {
+      Fail(std::string(kQuantizedNames[i]) + " must have X's element type " + TypeName(in.types[0]) + ", got " +
+           TypeName(in.types[i]));
+    }
+  }
+  infmoe::Sizes s = CheckTokens(in.shapes[0], in.shapes[1]);
+  const auto& q = attributes.quantization;
+  const int64_t columns = q.bits == 8 ? s.d : (s.d + 1) / 2;
+  const int64_t blocks = s.d / q.block_size + (s.d % q.block_size != 0);
+  const auto& w_in = in.shapes[2];
+  const std::string layout = " for D = " + std::to_string(s.d) + ", bits = " + std::to_string(q.bits);
+  if (w_in.size() != 2 || w_in[1] != columns) {
+    Fail("w_in_q " + ShapeString(w_in) + " must be [H, " + std::to_string(columns) + "]" + layout);
+  }
+  s.h = w_in[0];
+  const std::string scales =
+      "[H, ceil(D / block_size)] for D = " + std::to_string(s.d) + ", block_size = " + std::to_string(q.block_size);
+  RequireShape("w_out_q", in.shapes[5], w_in, "[H, " + std::to_string(columns) + "]" + layout);
+  RequireShape("w_in_scale", in.shapes[3], {s.h, blocks}, scales);
+  RequireShape("w_out_scale", in.shapes[6], {s.h, blocks}, scales);
+  CheckBiases(in.shapes[4], in.shapes[7], s, attributes.slice_width);
+  return s;
+}
+
+template <typename T>
+struct QuantizedCpuKernel {
+  static constexpr const char* kName = "QContinuousSliceFFN";
+  static constexpr size_t kInputs = 8;
+  static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
+    return index == 0 ? x : index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+
+  QuantizedAttributes attributes;
+  explicit QuantizedCpuKernel(const OrtKernelInfo* info) : attributes(info) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
+    return Guard(kName, [&] {
+      Ort::KernelContext context(raw_context);
+      const Inputs inputs(context, kInputs);
+      const infmoe::Sizes sizes = CheckQuantized(inputs, attributes);
+      const int64_t* starts = inputs.Data<int64_t>(1);
+      RequireValidStarts(starts, sizes);
+      Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
+      infmoe::QContinuousSliceFFN<T>(sizes, attributes.quantization, inputs.Data<T>(0), starts,
+                                     {inputs.Data<uint8_t>(2), inputs.Data<T>(3)}, inputs.Data<T>(4),
+                                     {inputs.Data<uint8_t>(5), inputs.Data<T>(6)}, inputs.Data<T>(7),
+                                     reinterpret_cast<T*>(output.GetTensorMutableRawData()), ParallelForOf(context));
     });
   }
 };
@@ -152,24 +293,23 @@ struct CpuKernel {
 #ifdef INFMOE_WITH_CUDA
 // Same checks; starts are copied to the host to be range-checked before any kernel runs.
 template <typename T>
-struct CudaKernel {
-  Attributes attributes;
-  explicit CudaKernel(const OrtKernelInfo* info) : attributes(info) {}
+struct CudaKernel : CpuKernel<T> {
+  using CpuKernel<T>::CpuKernel;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
-    return Guard([&] {
+    return Guard(this->kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context);
-      const infmoe::Sizes sizes = CheckShapes(inputs.shapes, attributes.slice_width);
+      const Inputs inputs(context, this->kInputs);
+      const infmoe::Sizes sizes = CheckShapes(inputs.shapes, this->attributes.slice_width);
       void* stream = context.GetGPUComputeStream();
-      const int64_t* starts = inputs.values[1].GetTensorData<int64_t>();
+      const int64_t* starts = inputs.Data<int64_t>(1);
       std::vector<int64_t> host_starts(sizes.tokens * sizes.k);
       infmoe::cuda::CopyToHost(starts, static_cast<int64_t>(host_starts.size()), host_starts.data(), stream);
       RequireValidStarts(host_starts.data(), sizes);
       Ort::UnownedValue output = context.GetOutput(0, inputs.shapes[0]);
-      auto data = [&](size_t i) { return reinterpret_cast<const T*>(inputs.values[i].GetTensorRawData()); };
-      infmoe::cuda::ContinuousSliceFFN<T>(sizes, data(0), starts, data(2), data(3), data(4), data(5),
-                                          reinterpret_cast<T*>(output.GetTensorMutableRawData()), stream);
+      infmoe::cuda::ContinuousSliceFFN<T>(sizes, inputs.Data<T>(0), starts, inputs.Data<T>(2), inputs.Data<T>(3),
+                                          inputs.Data<T>(4), inputs.Data<T>(5), reinterpret_cast<T*>(output.GetTensorMutableRawData()),
+                                          stream);
     });
   }
 };
@@ -180,14 +320,12 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
   explicit Op(const char* provider) : provider_(provider) {}
 
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-    return Guard([&] { *kernel = new Kernel(info); });
+    return Guard(Kernel::kName, [&] { *kernel = new Kernel(info); });
   }
-  const char* GetName() const { return kOpName; }
+  const char* GetName() const { return Kernel::kName; }
   const char* GetExecutionProviderType() const { return provider_; }
-  size_t GetInputTypeCount() const { return 6; }
-  ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : Type;
-  }
+  size_t GetInputTypeCount() const { return Kernel::kInputs; }
+  ONNXTensorElementDataType GetInputType(size_t index) const { return Kernel::InputType(index, Type); }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return Type; }
 
@@ -198,6 +336,8 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
 // float16 travels as its 16 raw bits; the kernel converts to float.
 Op<CpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_float(nullptr);
 Op<CpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_half(nullptr);
+Op<QuantizedCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_quantized_float(nullptr);
+Op<QuantizedCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_quantized_half(nullptr);
 #ifdef INFMOE_WITH_CUDA
 Op<CudaKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cuda_float("CUDAExecutionProvider");
 Op<CudaKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cuda_half("CUDAExecutionProvider");
@@ -217,10 +357,12 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     return api_base->GetApi(1)->CreateStatus(ORT_FAIL, message.c_str());
   }
   Ort::InitApi(api);
-  return Guard([&] {
+  return Guard("RegisterCustomOps", [&] {
     Ort::CustomOpDomain domain(kDomain);
     domain.Add(&cpu_float);
     domain.Add(&cpu_half);
+    domain.Add(&cpu_quantized_float);
+    domain.Add(&cpu_quantized_half);
 #ifdef INFMOE_WITH_CUDA
     domain.Add(&cuda_float);
     domain.Add(&cuda_half);

@@ -7,17 +7,22 @@
 
 #include "continuous_slice_ffn.h"
 
-#define INFMOE_DECLARE_VARIANT(name)                                                                    \
-  namespace name {                                                                                      \
-  template <typename T>                                                                                 \
-  void Run(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, T*,          \
-           const ParallelFor&);                                                                         \
-  extern template void Run<float>(const Sizes&, const float*, const int64_t*, const float*,            \
-                                  const float*, const float*, const float*, float*,                   \
-                                  const ParallelFor&);                                                \
-  extern template void Run<uint16_t>(const Sizes&, const uint16_t*, const int64_t*, const uint16_t*,   \
-                                     const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,     \
-                                     const ParallelFor&);                                             \
+#define INFMOE_DECLARE_RUN(T)                                                                            \
+  extern template void Run<T>(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, \
+                              T*, const ParallelFor&);                                                      \
+  extern template void RunQuantized<T>(const Sizes&, const Quantization&, const T*, const int64_t*,          \
+                                       const QuantizedMatrix<T>&, const T*, const QuantizedMatrix<T>&,       \
+                                       const T*, T*, const ParallelFor&);
+#define INFMOE_DECLARE_VARIANT(name)                                                                      \
+  namespace name {                                                                                        \
+  template <typename T>                                                                                   \
+  void Run(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, T*,            \
+           const ParallelFor&);                                                                           \
+  template <typename T>                                                                                   \
+  void RunQuantized(const Sizes&, const Quantization&, const T*, const int64_t*, const QuantizedMatrix<T>&, \
+                    const T*, const QuantizedMatrix<T>&, const T*, T*, const ParallelFor&);               \
+  INFMOE_DECLARE_RUN(float)                                                                               \
+  INFMOE_DECLARE_RUN(uint16_t)                                                                            \
   }
 
 namespace infmoe {
@@ -35,12 +40,20 @@ namespace {
 template <typename T>
 using Kernel = void (*)(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, T*,
                         const ParallelFor&);
+template <typename T>
+using QKernel = void (*)(const Sizes&, const Quantization&, const T*, const int64_t*, const QuantizedMatrix<T>&,
+                         const T*, const QuantizedMatrix<T>&, const T*, T*, const ParallelFor&);
 
 struct Variant {
   const char* name;
   Kernel<float> f32;
   Kernel<uint16_t> f16;
+  QKernel<float> q32;
+  QKernel<uint16_t> q16;
 };
+
+#define INFMOE_VARIANT_ENTRY(name) \
+  {#name, name::Run<float>, name::Run<uint16_t>, name::RunQuantized<float>, name::RunQuantized<uint16_t>}
 
 // Widest first. x86-64-v3 is AVX2 + FMA + F16C + BMI1/2 + LZCNT + MOVBE, x86-64-v4 adds
 // AVX-512 F/BW/CD/DQ/VL: exactly the -march levels the variants are compiled for. libgcc's
@@ -48,12 +61,12 @@ struct Variant {
 Variant Choose() {
   const Variant variants[] = {
 #ifdef INFMOE_HAVE_AVX512
-      {"avx512", avx512::Run<float>, avx512::Run<uint16_t>},
+      INFMOE_VARIANT_ENTRY(avx512),
 #endif
 #ifdef INFMOE_HAVE_AVX2
-      {"avx2", avx2::Run<float>, avx2::Run<uint16_t>},
+      INFMOE_VARIANT_ENTRY(avx2),
 #endif
-      {"baseline", baseline::Run<float>, baseline::Run<uint16_t>},
+      INFMOE_VARIANT_ENTRY(baseline),
   };
   auto supported = [](const char* name) {
 #if defined(__x86_64__) && (defined(INFMOE_HAVE_AVX2) || defined(INFMOE_HAVE_AVX512))
@@ -79,12 +92,19 @@ const Variant& Chosen() {
   return variant;
 }
 
+// The chosen variant's kernels for element type T.
 template <typename T>
-Kernel<T> KernelOf(const Variant& v);
+struct KernelsOf;
 template <>
-Kernel<float> KernelOf<float>(const Variant& v) { return v.f32; }
+struct KernelsOf<float> {
+  static Kernel<float> Float(const Variant& v) { return v.f32; }
+  static QKernel<float> Quantized(const Variant& v) { return v.q32; }
+};
 template <>
-Kernel<uint16_t> KernelOf<uint16_t>(const Variant& v) { return v.f16; }
+struct KernelsOf<uint16_t> {
+  static Kernel<uint16_t> Float(const Variant& v) { return v.f16; }
+  static QKernel<uint16_t> Quantized(const Variant& v) { return v.q16; }
+};
 
 }  // namespace
 
@@ -105,7 +125,7 @@ template <typename T>
 void ContinuousSliceFFN(const Sizes& sizes, const T* x, const int64_t* starts, const T* w_in,
                         const T* b_in, const T* w_out, const T* b_out, T* y,
                         const ParallelFor& parallel_for) {
-  KernelOf<T>(Chosen())(sizes, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+  KernelsOf<T>::Float(Chosen())(sizes, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
 }
 
 template void ContinuousSliceFFN<float>(const Sizes&, const float*, const int64_t*, const float*,
@@ -114,5 +134,20 @@ template void ContinuousSliceFFN<float>(const Sizes&, const float*, const int64_
 template void ContinuousSliceFFN<uint16_t>(const Sizes&, const uint16_t*, const int64_t*,
                                            const uint16_t*, const uint16_t*, const uint16_t*,
                                            const uint16_t*, uint16_t*, const ParallelFor&);
+
+template <typename T>
+void QContinuousSliceFFN(const Sizes& sizes, const Quantization& quantization, const T* x, const int64_t* starts,
+                         const QuantizedMatrix<T>& w_in, const T* b_in, const QuantizedMatrix<T>& w_out,
+                         const T* b_out, T* y, const ParallelFor& parallel_for) {
+  KernelsOf<T>::Quantized(Chosen())(sizes, quantization, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+}
+
+template void QContinuousSliceFFN<float>(const Sizes&, const Quantization&, const float*, const int64_t*,
+                                         const QuantizedMatrix<float>&, const float*, const QuantizedMatrix<float>&,
+                                         const float*, float*, const ParallelFor&);
+template void QContinuousSliceFFN<uint16_t>(const Sizes&, const Quantization&, const uint16_t*, const int64_t*,
+                                            const QuantizedMatrix<uint16_t>&, const uint16_t*,
+                                            const QuantizedMatrix<uint16_t>&, const uint16_t*, uint16_t*,
+                                            const ParallelFor&);
 
 }  // namespace infmoe

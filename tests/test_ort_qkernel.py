@@ -1,0 +1,221 @@
+"""The compiled onnxruntime kernel for `infmoe::QContinuousSliceFFN` (SPEC §6) against the level-1
+reference: `quant.q_continuous_slice_ffn`, i.e. the float op on the dequantized weights w'.
+
+Data is fresh every run (the seed comes from os.urandom and is printed in every failure;
+INFMOE_TEST_SEED=<n> replays a run); weights are normal, scaled like a trained layer, never zero.
+"""
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from infmoe_export.contract import DOMAIN, OP_VERSION
+from infmoe_export.quant import Q_OP_TYPE, QuantizedWeight, q_continuous_slice_ffn
+from infmoe_export.runtimes import ort_kernel
+
+SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+NAMES = ("X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out")
+FLOAT = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = ort_kernel.custom_op_library()
+    if path is None:
+        pytest.skip("the onnxruntime kernel library is not installed (the package build found no C++ "
+                    "compiler); reinstall with one: pip install -e .")
+    return path
+
+
+def q_model(r, bits, block_size, dtype=np.float32, types=None, **attributes):
+    """A one-node model of the op; `types` overrides an input's element type (bad-input tests)."""
+    types = {**{n: FLOAT[dtype] for n in NAMES}, "starts": TensorProto.INT64, "w_in_q": TensorProto.UINT8,
+             "w_out_q": TensorProto.UINT8, **(types or {})}
+    inputs = [helper.make_tensor_value_info(n, types[n], None) for n in NAMES]
+    attributes = {"slice_width": r, "activation": "gelu_tanh", "plugin_namespace": DOMAIN,
+                  "plugin_version": str(OP_VERSION), "bits": bits, "block_size": block_size, **attributes}
+    attributes = {name: value for name, value in attributes.items() if value is not None}
+    node = helper.make_node(Q_OP_TYPE, list(NAMES), ["Y"], domain=DOMAIN, **attributes)
+    graph = helper.make_graph([node], "q", inputs, [helper.make_tensor_value_info("Y", FLOAT[dtype], None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def session(model, threads=1):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    assert ort_kernel.register(options)
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def make_starts(rng, lead, k, h, r, windows):
+    """'random', 'overlapping' (within r/2 of each other), 'disjoint' (k windows that do not
+    touch), 'edges' (random, with the first at 0 and the last at H - r)."""
+    last = h - r
+    if windows == "overlapping":
+        base = rng.integers(0, last + 1, size=lead + (1,))
+        starts = np.clip(base + rng.integers(0, max(1, r // 2), size=lead + (k,)), 0, last)
+    elif windows == "disjoint":
+        assert k * r <= h
+        cuts = np.sort(rng.integers(0, h - k * r + 1, size=lead + (k,)), axis=-1)
+        starts = cuts + np.arange(k) * r
+    else:
+        starts = rng.integers(0, last + 1, size=lead + (k,))
+        if windows == "edges":
+            starts[..., 0] = 0
+            starts[..., -1] = last
+    return starts.astype(np.int64)
+
+
+def make_feeds(rng, lead, d, h, r, k, bits, block_size, windows="random", dtype=np.float32):
+    def normal(*shape, scale=1.0):
+        return torch.from_numpy(rng.standard_normal(shape) * scale).float()
+
+    w_in = QuantizedWeight.of(normal(h, d, scale=d ** -0.5), bits, block_size, torch.float32)
+    w_out = QuantizedWeight.of(normal(h, d, scale=h ** -0.5), bits, block_size, torch.float32)
+    float_feeds = {"X": normal(*lead, d), "w_in_scale": w_in.scale, "b_in": normal(h, scale=0.5),
+                   "w_out_scale": w_out.scale, "b_out": normal(d, scale=0.1)}
+    feeds = {n: v.numpy().astype(dtype) for n, v in float_feeds.items()}
+    feeds.update(starts=make_starts(rng, lead, k, h, r, windows), w_in_q=w_in.packed.numpy(),
+                 w_out_q=w_out.packed.numpy())
+    return {n: feeds[n] for n in NAMES}
+
+
+def reference(feeds, r, bits, block_size):
+    """Level 1: the reference op on the inputs the kernel saw, in float32."""
+    tensors = [torch.from_numpy(feeds[n]) for n in NAMES]
+    tensors = [t.float() if t.is_floating_point() else t for t in tensors]
+    return q_continuous_slice_ffn(*tensors, r, bits, block_size).numpy()
+
+
+def relative_error(y, ref):
+    return float(np.abs(y.astype(np.float64) - ref).max() / np.abs(ref).max())
+
+
+# (leading dims, D, H, r, K, windows, block size): H a prime, D not a multiple of the block (odd
+# D for int4's pad nibble), r = 1 and r = H, K = 1 and K > 1; one token and three (decode), many
+# (prefill, several groups and hidden blocks).
+CASES = [
+    ((1,), 13, 37, 5, 1, "edges", 16),
+    ((1,), 29, 101, 1, 2, "disjoint", 16),
+    ((1,), 17, 41, 41, 3, "random", 32),        # r = H: start 0 only
+    ((1, 1), 31, 97, 11, 4, "overlapping", 16),
+    ((3,), 47, 83, 9, 5, "edges", 32),
+    ((1,), 770, 613, 37, 8, "disjoint", 64),    # long rows, several units per block, a partial last
+    ((1,), 768, 1031, 300, 2, "overlapping", 32),
+    ((71,), 37, 113, 1, 2, "random", 16),
+    ((3, 29), 25, 67, 67, 3, "edges", 16),      # r = H with many tokens
+    ((97,), 43, 157, 19, 1, "edges", 128),
+    ((2, 150), 97, 613, 200, 3, "disjoint", 32),  # several prefill groups and hidden blocks
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("lead, d, h, r, k, windows, block", CASES)
+def test_matches_level_1_reference(library, lead, d, h, r, k, windows, block, bits, dtype):
+    rng = np.random.default_rng([SEED, d, h, r, k, bits])
+    feeds = make_feeds(rng, lead, d, h, r, k, bits, block, windows, dtype)
+    y = session(q_model(r, bits, block, dtype)).run(None, feeds)[0]
+    assert y.shape == lead + (d,) and y.dtype == dtype
+    # float32: w' and the sums in float32, like the float op (SPEC §6, level 1 with the float
+    # tolerances); float16: the same from half inputs, Y rounded to half once.
+    tolerance = 1e-5 if dtype == np.float32 else 2e-3
+    assert relative_error(y, reference(feeds, r, bits, block)) <= tolerance, f"seed {SEED}"
+
+
+def test_nibble_order_matters(library):
+    """A planted swap of the nibbles (odd column in the low one) must change the answer."""
+    rng = np.random.default_rng([SEED, 1])
+    feeds = make_feeds(rng, (1,), 32, 64, 16, 2, 4, 16)
+    y = session(q_model(16, 4, 16)).run(None, feeds)[0]
+    for name in ("w_in_q", "w_out_q"):
+        q = feeds[name]
+        feeds[name] = (q >> 4) | ((q & 15) << 4)
+    assert relative_error(y, reference(feeds, 16, 4, 16)) > 1e-3, f"seed {SEED}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 150)])
+def test_bitwise_identical_across_threads(library, lead, bits):
+    rng = np.random.default_rng([SEED, 2, bits])
+    feeds = make_feeds(rng, lead, 130, 1031, 257, 8, bits, 32)
+    model = q_model(257, bits, 32)
+    outputs = [session(model, threads).run(None, feeds)[0] for threads in (1, 2, 4, 1)]
+    for y in outputs[1:]:
+        assert np.array_equal(outputs[0], y), f"seed {SEED}"
+
+
+@pytest.mark.parametrize("attributes, message", [
+    (dict(bits=3), "bits must be 4 or 8, got 3"),
+    (dict(bits=None), "attribute 'bits'"),
+    (dict(block_size=24), "block_size must be a power of two >= 16, got 24"),
+    (dict(block_size=8), "block_size must be a power of two >= 16, got 8"),
+    (dict(block_size=0), "block_size must be a power of two >= 16, got 0"),
+    (dict(block_size=1.5), "attribute 'block_size'"),
+    (dict(activation="relu"), "unknown activation 'relu'"),
+    (dict(slice_width=0), "slice_width must be >= 1"),
+])
+def test_bad_attributes_are_errors(library, attributes, message):
+    base = dict(r=9, bits=4, block_size=16)
+    base.update({"r" if n == "slice_width" else n: v for n, v in attributes.items()})
+    r, bits, block = base.pop("r"), base.pop("bits"), base.pop("block_size")
+    with pytest.raises(Exception, match="QContinuousSliceFFN: .*" + message):
+        session(q_model(r, bits, block, **base))
+
+
+def shrink(feeds, name, axis):
+    feeds[name] = np.ascontiguousarray(np.delete(feeds[name], -1, axis=axis))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: shrink(f, "w_in_q", 1), r"w_in_q \[48, 7\] must be \[H, 8\] for D = 16, bits = 4"),
+    (lambda f: shrink(f, "w_out_q", 0), r"w_out_q \[47, 8\] must be \[H, 8\]"),
+    (lambda f: f.update(w_in_q=np.zeros((48, 16), np.uint8)), r"w_in_q \[48, 16\] must be \[H, 8\]"),
+    (lambda f: shrink(f, "w_in_scale", 1), r"w_in_scale \[48, 0\] must be \[H, ceil\(D / block_size\)\]"),
+    (lambda f: f.update(w_out_scale=np.ones((48, 2), np.float32)), r"w_out_scale \[48, 2\] must be"),
+    (lambda f: shrink(f, "b_in", 0), r"b_in \[47\] must be \[H\] = \[48\]"),
+    (lambda f: shrink(f, "b_out", 0), r"b_out \[15\] must be \[D\] = \[16\]"),
+    (lambda f: shrink(f, "starts", 0), r"starts \[2, 2\] must have the leading dims of X \[3, 16\]"),
+    (lambda f: f["starts"].__setitem__((2, 1), 40), r"starts\[5\] = 40 is outside \[0, 39\]"),
+    (lambda f: f["starts"].__setitem__((0, 0), -1), r"starts\[0\] = -1 is outside"),
+    (lambda f: f["starts"].__setitem__((1, 0), 2 ** 40), r"starts\[2\] = 1099511627776 is outside"),
+])
+def test_bad_inputs_are_errors(library, change, message):
+    rng = np.random.default_rng([SEED, 3])
+    feeds = make_feeds(rng, (3,), 16, 48, 9, 2, 4, 16)
+    change(feeds)
+    with pytest.raises(Exception, match="QContinuousSliceFFN: " + message):
+        session(q_model(9, 4, 16)).run(None, feeds)
+
+
+def test_slice_width_larger_than_h_is_an_error(library):
+    feeds = make_feeds(np.random.default_rng([SEED, 4]), (2,), 16, 48, 9, 2, 8, 16)
+    with pytest.raises(Exception, match="slice_width 49 is larger than H = 48"):
+        session(q_model(49, 8, 16)).run(None, feeds)
+
+
+@pytest.mark.parametrize("name, dtype, message", [
+    ("w_in_scale", np.float16, "w_in_scale must have X's element type float32, got float16"),
+    ("w_out_scale", np.float16, "w_out_scale must have X's element type float32, got float16"),
+    ("b_in", np.float64, "b_in must have X's element type float32, got float64"),
+    ("w_in_q", np.int8, "w_in_q must be uint8, got int8"),
+])
+def test_wrong_element_types_are_errors(library, name, dtype, message):
+    feeds = make_feeds(np.random.default_rng([SEED, 5]), (2,), 16, 48, 9, 2, 8, 16)
+    feeds[name] = feeds[name].astype(dtype)
+    types = {name: helper.np_dtype_to_tensor_dtype(np.dtype(dtype))}
+    with pytest.raises(Exception, match="QContinuousSliceFFN: " + message):
+        session(q_model(9, 8, 16, types=types)).run(None, feeds)
+
+
+def test_float16_x_refuses_float32_scales(library):
+    feeds = make_feeds(np.random.default_rng([SEED, 6]), (1,), 16, 48, 9, 2, 4, 16, dtype=np.float16)
+    feeds["w_out_scale"] = feeds["w_out_scale"].astype(np.float32)
+    model = q_model(9, 4, 16, np.float16, types={"w_out_scale": TensorProto.FLOAT})
+    with pytest.raises(Exception, match="w_out_scale must have X's element type float16, got float32"):
+        session(model).run(None, feeds)
