@@ -64,7 +64,7 @@ def tensorrt_stub():
     trt = types.ModuleType("tensorrt")
     trtp = types.ModuleType("tensorrt.plugin")
     trt.plugin = trtp
-    for name in ("float32", "float16", "int64", "int32"):
+    for name in ("float32", "float16", "int64", "int32", "int8"):
         setattr(trt, name, f"DataType.{name}")
 
     class TensorDesc:
@@ -110,12 +110,12 @@ def tensorrt_stub():
         def __init__(self, spec=""):
             self.spec = spec
 
-    registered = {}
+    registered = {}  # plugin id -> {kind: function}
 
     def decorator(kind):
         def with_id(plugin_id):
             def record(function):
-                registered[kind] = (plugin_id, function)
+                registered.setdefault(plugin_id, {})[kind] = function
                 return function
             return record
         return with_id
@@ -130,7 +130,8 @@ def tensorrt_stub():
 
 @pytest.fixture
 def stub_plugin(monkeypatch):
-    """infmoe_trt.plugin imported against the stand-ins: (tensorrt.plugin stand-in, registered)."""
+    """infmoe_trt.plugin imported against the stand-ins: (tensorrt.plugin stand-in, registered
+    functions by plugin id and kind)."""
     trt, trtp = tensorrt_stub()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
@@ -182,14 +183,27 @@ def _split(function, tensors, attributes, tail):
     return taken
 
 
-def test_plugin_functions_follow_tensorrts_signature_rules(stub_plugin):
-    trtp, registered = stub_plugin
-    assert set(registered) == {"register", "autotune", "impl", "aot_impl"}
-    assert {plugin_id for plugin_id, _ in registered.values()} == {"infmoe::ContinuousSliceFFN"}
-    namespace, name = "infmoe::ContinuousSliceFFN".split("::")
-    assert namespace not in ("", "trt", "tensorrt", "std") and "." not in namespace + name
+PLUGINS = {"infmoe::ContinuousSliceFFN": (descriptors.FLOAT_OP, {"slice_width": int, "activation": str}),
+           "infmoe::QContinuousSliceFFN": (descriptors.Q_OP, {"slice_width": int, "activation": str, "bits": int,
+                                                               "block_size": int})}
 
-    register = inspect.signature(registered["register"][1])
+
+def test_both_plugins_are_registered_with_every_function(stub_plugin):
+    _, registered = stub_plugin
+    assert set(registered) == set(PLUGINS)
+    for plugin_id, functions in registered.items():
+        assert set(functions) == {"register", "autotune", "impl", "aot_impl"}, plugin_id
+        namespace, name = plugin_id.split("::")
+        assert namespace not in ("", "trt", "tensorrt", "std") and "." not in namespace + name
+
+
+@pytest.mark.parametrize("plugin_id", list(PLUGINS))
+def test_plugin_functions_follow_tensorrts_signature_rules(stub_plugin, plugin_id):
+    trtp, registered = stub_plugin
+    op, wanted_attributes = PLUGINS[plugin_id]
+    functions = registered[plugin_id]
+
+    register = inspect.signature(functions["register"])
     tensors, attributes = [], {}
     for param_name, param in register.parameters.items():
         assert param.annotation is not inspect.Parameter.empty, f"register: {param_name} needs an annotation"
@@ -202,7 +216,7 @@ def test_plugin_functions_follow_tensorrts_signature_rules(stub_plugin):
         else:
             assert param.annotation in SERIALIZABLE and param_name not in ("outputs", "stream", "tactic")
             attributes[param_name] = param.annotation
-    assert tensors == list(descriptors.INPUTS) and attributes == {"slice_width": int, "activation": str}
+    assert tensors == list(op.inputs) and attributes == wanted_attributes
     returned = register.return_annotation
     assert (inspect.isclass(returned) and issubclass(returned, trtp.TensorDesc)) or _tuple_of(returned, trtp.TensorDesc)
 
@@ -211,20 +225,20 @@ def test_plugin_functions_follow_tensorrts_signature_rules(stub_plugin):
             annotation = inspect.signature(function).parameters[attribute].annotation
             assert annotation in (inspect.Parameter.empty, attributes[attribute]), f"{attribute}: registered type"
 
-    autotune = registered["autotune"][1]
+    autotune = functions["autotune"]
     check_attribute_annotations(autotune, _split(autotune, tensors, list(attributes), ["outputs"]))
     returned = inspect.signature(autotune).return_annotation
     assert typing.get_origin(returned) is list and all(issubclass(a, trtp.AutoTuneCombination)
                                                        for a in typing.get_args(returned))
 
-    impl = registered["impl"][1]
+    impl = functions["impl"]
     check_attribute_annotations(impl, _split(impl, tensors, list(attributes), ["outputs", "stream"]))
     params = inspect.signature(impl).parameters
     assert _tuple_of(params["outputs"].annotation, trtp.Tensor) and params["stream"].annotation is int
     assert all(params[t].annotation in (inspect.Parameter.empty, trtp.Tensor) for t in tensors)
     assert inspect.signature(impl).return_annotation in (None, inspect.Parameter.empty)
 
-    aot = registered["aot_impl"][1]
+    aot = functions["aot_impl"]
     taken = _split(aot, tensors, list(attributes), ["outputs", "tactic"])
     assert taken == list(attributes), "aot_impl: TensorRT passes every attribute"
     check_attribute_annotations(aot, taken)
@@ -240,7 +254,7 @@ def test_plugin_functions_follow_tensorrts_signature_rules(stub_plugin):
 
 def test_register_accepts_the_parsers_nul_terminated_activation(stub_plugin):
     trtp, registered = stub_plugin
-    register = registered["register"][1]
+    register = registered["infmoe::ContinuousSliceFFN"]["register"]
     f32 = "DataType.float32"
     inputs = [trtp.TensorDesc((-1, -1, 16), f32), trtp.TensorDesc((-1, -1, 2), "DataType.int64"),
               trtp.TensorDesc((37, 16), f32), trtp.TensorDesc((37,), f32), trtp.TensorDesc((37, 16), f32),
@@ -266,7 +280,7 @@ driver.compute_capability = lambda: 90
 driver.driver_cuda_version = lambda: (12, 4)
 from triton.backends.nvidia.compiler import get_ptxas
 import infmoe_trt.plugin
-aot = trtp.registered["aot_impl"][1]
+aot = trtp.registered["infmoe::ContinuousSliceFFN"]["aot_impl"]
 report = {}
 for dtype in ("float32", "float16"):
     t = "DataType." + dtype
@@ -467,20 +481,15 @@ def test_networks_are_strongly_typed_and_pick_the_plugin_implementation(jit):
     assert network.creation_flags(trt11, jit) == 1 << preferred
 
 
-def test_fp16_builds_are_strongly_typed_without_the_fp16_flag(plugin_export, tmp_path):
-    """--fp16 means float16 exports built strongly typed: the FFN runs in float16 and the router,
-    LayerNorms and attention stay float32 as exported. The FP16 builder flag (deprecated in 10.12,
-    gone in 11) would let TensorRT run any layer in float16. TF32 stays off."""
+def test_builds_are_strongly_typed_without_precision_flags(plugin_export, tmp_path):
+    """Every build, whatever its precision, is strongly typed: an fp16 export runs its FFN in
+    float16 and the router, LayerNorms and attention in float32 as exported. The FP16 builder
+    flag (deprecated in 10.12, gone in 11) would let TensorRT run any layer in float16. TF32
+    stays off."""
     profiles = network.profile_shapes(plugin_export.io, 1, 8)
     config = build.builder_config(profiles, tmp_path / "timing.cache")
     assert config.fp16 is False and config.tf32 is False and len(config.profiles) == 2
     assert config.timing_cache_path is None  # no cache yet
-    fp16 = ExportedModel(plugin_export.path, DecoderIO(TINY, 2, dtype="fp16"), plugin_export.metadata)
-    build.check_precision({2: fp16}, fp16=True)
-    with pytest.raises(InfMoEError, match="exported as fp32, not fp16: drop --fp16"):
-        build.check_precision({2: plugin_export}, fp16=True)
-    with pytest.raises(InfMoEError, match="exported as fp16, not fp32: add --fp16"):
-        build.check_precision({2: fp16}, fp16=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,13 +554,15 @@ def test_node_without_plugin_attributes_is_refused(plugin_export, tmp_path):
         network.plugin_model(ExportedModel.read(tmp_path / "no_namespace.onnx"))
 
 
-def test_plan_models_takes_each_models_fixed_k(plugin_export):
+def test_plan_models_takes_each_models_fixed_k_and_precision(plugin_export):
     path = plugin_export.path
-    assert {k: m.path for k, m in build.plan_models([path], None).items()} == {2: path}
-    assert list(build.plan_models([path], [2])) == [2]
-    with pytest.raises(InfMoEError, match="no model for K=4"):
+    assert {key: m.path for key, m in build.plan_models([path], None).items()} == {(2, "fp32"): path}
+    assert list(build.plan_models([path], [2], ["fp32"])) == [(2, "fp32")]
+    with pytest.raises(InfMoEError, match="no fp32 model for K=4: the given models are K=2 fp32"):
         build.plan_models([path], [2, 4])
-    with pytest.raises(InfMoEError, match="two models for K=2"):
+    with pytest.raises(InfMoEError, match="no int8 model for K=2"):
+        build.plan_models([path], None, ["fp32", "int8"])
+    with pytest.raises(InfMoEError, match="two fp32 models for K=2"):
         build.plan_models([path, path], None)
 
 
@@ -594,21 +605,23 @@ def test_profiles_refuse_impossible_limits(plugin_export):
 # Manifest and engine selection
 
 
-def write_fake_build(folder: Path, model: ExportedModel, ks, plugin="aot"):
+def write_fake_build(folder: Path, model: ExportedModel, ks, plugin="aot", precisions=("fp32",)):
     """A manifest as build_engines writes it, with placeholder engine files (no TensorRT here)."""
     profiles = network.profile_shapes(model.io, 1, 8)
     entries = []
     for k in ks:
-        (folder / f"model_k{k}.engine").write_bytes(b"placeholder engine for K=%d" % k)
-        entry = manifest.engine_entry(f"model_k{k}.engine", model, plugin, profiles, "10.13.0", "NVIDIA H200")
-        entries.append(dict(entry, k=k))
+        for precision in precisions:
+            file = manifest.engine_file(k, precision)
+            (folder / file).write_bytes(b"placeholder engine for K=%d" % k)
+            entry = manifest.engine_entry(file, model, plugin, profiles, "10.13.0", "NVIDIA H200")
+            entries.append(dict(entry, k=k, precision=precision))
     return manifest.write_manifest(folder, entries)
 
 
 def test_manifest_round_trip_and_selection_by_k(plugin_export, tmp_path):
     path = write_fake_build(tmp_path, plugin_export, [4, 1, 2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "model_k1.engine", "model_k2.engine",
-                                                          "model_k4.engine"]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "model_k1_fp32.engine",
+                                                          "model_k2_fp32.engine", "model_k4_fp32.engine"]  # no temp
     written = json.loads(path.read_text())
     assert written["schema_version"] == 1
     assert [e["k"] for e in written["engines"]] == [1, 2, 4]
@@ -622,12 +635,12 @@ def test_manifest_round_trip_and_selection_by_k(plugin_export, tmp_path):
 
     read = manifest.read_manifest(tmp_path)
     chosen = manifest.select_engine(read, 2)
-    assert chosen["k"] == 2 and Path(chosen["path"]) == tmp_path / "model_k2.engine"
-    assert manifest.select_engine(manifest.read_manifest(path), 4)["file"] == "model_k4.engine"
-    with pytest.raises(InfMoEError, match=r"no TensorRT engine for K=8 .*available: K=1, 2, 4"):
+    assert chosen["k"] == 2 and Path(chosen["path"]) == tmp_path / "model_k2_fp32.engine"
+    assert manifest.select_engine(manifest.read_manifest(path), 4)["file"] == "model_k4_fp32.engine"
+    with pytest.raises(InfMoEError, match=r"no TensorRT engine for K=8 .*available: K=1 fp32, K=2 fp32, K=4 fp32"):
         manifest.select_engine(read, 8)
-    (tmp_path / "model_k1.engine").unlink()
-    with pytest.raises(InfMoEError, match="engine file .*model_k1.engine for K=1 is missing"):
+    (tmp_path / "model_k1_fp32.engine").unlink()
+    with pytest.raises(InfMoEError, match="engine file .*model_k1_fp32.engine for K=1 fp32 is missing"):
         manifest.select_engine(read, 1)
 
 
@@ -704,10 +717,14 @@ def test_run_with_engines_without_tensorrt_is_one_line(plugin_export, tmp_path, 
 
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be"),
-    (["--model", "{onnx}", "--k", "4"], "no model for K=4"),
+    (["--model", "{onnx}", "--k", "4"], "no fp32 model for K=4"),
+    (["--model", "{onnx}", "--dtype", "int4"], "no int4 model for K=2: the given models are K=2 fp32"),
+    (["--dtype", "int3"], "--dtype must be a comma-separated list of fp32, fp16, int8, int4"),
+    (["--dtype", "int8", "--block-size", "24"], "--block-size: block size must be a power of two >= 16"),
+    (["--block-size", "64"], "--block-size applies to int8 / int4 exports"),
+    (["--model", "{onnx}", "--block-size", "64"], "--block-size chooses what to export"),
     (["--model", "{onnx}", "--checkpoint", "{folder}"], "either --model or --checkpoint"),
     (["--model", "{onnx}", "--with-starts"], "--with-starts chooses what to export"),
-    (["--model", "{onnx}", "--fp16"], "exported as fp32, not fp16: drop --fp16"),
     (["--model", "{folder}/missing.onnx"], "does not exist"),
 ])
 def test_trt_refuses_bad_options_in_one_line(args, message, plugin_export, tmp_path, run_cli):
@@ -735,7 +752,7 @@ def test_run_refuses_engines_with_onnx_options(args, message, plugin_export, tmp
 def test_engine_matches_the_reference(tiny_model, plugin_export, tmp_path, jit):
     if jit and not torch.cuda.is_available():
         pytest.skip("the JIT plugin needs a CUDA build of torch")
-    path = build.build_engines({2: plugin_export}, tmp_path, fp16=False, timing_cache=tmp_path / "t.cache",
+    path = build.build_engines({(2, "fp32"): plugin_export}, tmp_path, timing_cache=tmp_path / "t.cache",
                                max_batch=2, max_seq=16, jit=jit)
     assert manifest.read_manifest(path)["engines"][0]["plugin"] == ("jit" if jit else "aot")
     io = plugin_export.io

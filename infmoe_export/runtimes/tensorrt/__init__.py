@@ -1,13 +1,13 @@
-"""TensorRT: one engine per expert budget K, a JSON manifest, and a Polygraphy runner.
+"""TensorRT: one engine per expert budget K and precision, a JSON manifest, and a Polygraphy runner.
 
-`infmoe-export trt` exports (or takes) one ONNX model per K without the fallback local function,
-so the parser maps each ContinuousSliceFFN node to the `infmoe::ContinuousSliceFFN` plugin (the
-`infmoe_trt` package), and builds each engine through Polygraphy with two optimization profiles
-(prefill and decode) and one timing cache shared by all builds.
+`infmoe-export trt` exports (or takes) one ONNX model per (K, precision) without the fallback
+local function, so the parser maps each ContinuousSliceFFN / QContinuousSliceFFN node to the
+plugin of that name (the `infmoe_trt` package), and builds each engine through Polygraphy with
+two optimization profiles (prefill and decode) and one timing cache shared by all builds.
 
     availability  which TensorRT is installed and supported; registering the plugin
     network       the model checked and prepared for the parser, network flags, profiles
-    manifest      manifest.json and engine selection by K
+    manifest      manifest.json and engine selection by (K, precision)
     build         the build plan, builder configuration and builds
     runner        TrtRunner
 

@@ -1,43 +1,37 @@
-"""Building one engine per expert budget K (needs TensorRT and an NVIDIA GPU), and the plan of
-which exported model becomes which engine (which does not)."""
+"""Building one engine per expert budget K and precision (needs TensorRT and an NVIDIA GPU), and
+the plan of which exported model becomes which engine (which does not)."""
 
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...contract import ExportedModel
 from ...errors import InfMoEError
 from ...files import atomic_write
+from ...quant import PRECISIONS
 from .availability import gpu_name, register_plugin, require_cuda_torch, require_tensorrt
-from .manifest import engine_entry, write_manifest
+from .manifest import engine_entry, engine_file, write_manifest
 from .network import parse_network, plugin_model, profile_shapes
 
 
-def plan_models(paths: Sequence, ks: Optional[List[int]]) -> Dict[int, ExportedModel]:
-    """K -> exported model from the given files (each has one fixed K, read from its metadata)."""
-    by_k = {}
+def plan_models(paths: Sequence, ks: Optional[List[int]],
+                precisions: Optional[List[str]] = None) -> Dict[Tuple[int, str], ExportedModel]:
+    """(K, precision) -> exported model from the given files; each has one fixed K and precision,
+    read from its metadata. ks / precisions None: whatever the files hold; given, every
+    combination must be among the files (an engine keeps its model's types: strongly typed)."""
+    planned = {}
     for model in map(ExportedModel.read, paths):
-        if model.k in by_k:
-            raise InfMoEError(f"two models for K={model.k}: {by_k[model.k].path} and {model.path}")
-        by_k[model.k] = model
-    if ks is None:
-        return dict(sorted(by_k.items()))
-    missing = [k for k in ks if k not in by_k]
+        key = (model.k, model.io.dtype)
+        if key in planned:
+            raise InfMoEError(f"two {key[1]} models for K={key[0]}: {planned[key].path} and {model.path}")
+        planned[key] = model
+    wanted = [(k, p) for k in (ks or sorted({k for k, _ in planned}))
+              for p in (precisions or sorted({p for _, p in planned}, key=PRECISIONS.index))]
+    given = ", ".join(f"K={k} {p}" for k, p in sorted(planned))
+    missing = [key for key in wanted if key not in planned]
     if missing:
-        raise InfMoEError(f"no model for K={missing[0]}: the given models were exported for K="
-                          f"{', '.join(map(str, sorted(by_k)))} (an exported model has one fixed K; "
-                          "omit --model to export every K from a checkpoint)")
-    return {k: by_k[k] for k in ks}
-
-
-def check_precision(models: Dict[int, ExportedModel], fp16: bool) -> None:
-    """Engines run each tensor in the type the model gives it (strongly typed networks), so the
-    precision is chosen at export: fp16 asks for float16 exports, and every model must be one."""
-    wanted = "fp16" if fp16 else "fp32"
-    for model in models.values():
-        if model.io.dtype != wanted:
-            fix = "drop --fp16" if model.io.dtype == "fp32" else "add --fp16"
-            raise InfMoEError(f"{model.path} was exported as {model.io.dtype}, not {wanted}: {fix}, or export it "
-                              f"with `infmoe-export onnx --dtype {wanted} --no-function`")
+        raise InfMoEError(f"no {missing[0][1]} model for K={missing[0][0]}: the given models are {given} (an exported "
+                          "model has one fixed K and precision; omit --model to export them from a checkpoint)")
+    return {key: planned[key] for key in sorted(wanted, key=lambda key: (key[0], PRECISIONS.index(key[1])))}
 
 
 def builder_config(profiles: List[dict], timing_cache: Path):
@@ -45,7 +39,7 @@ def builder_config(profiles: List[dict], timing_cache: Path):
     timing cache, and TF32 off. TF32 would round the inputs of float32 matrix products to
     10-bit mantissas; the router's product decides where each window starts, so it would move
     windows and break parity with the float32 reference (SPEC §5). No precision flag is set:
-    the network is strongly typed."""
+    the network is strongly typed, each engine in its model's precision."""
     from polygraphy.backend.trt import CreateConfig, Profile
 
     trt_profiles = []
@@ -73,26 +67,27 @@ def build_engine(model: ExportedModel, engine_path: Path, profiles: List[dict], 
     return atomic_write(engine_path, bytes(serialized))
 
 
-def build_engines(models: Dict[int, ExportedModel], out: Path, fp16: bool, timing_cache: Path, max_batch: int,
+def build_engines(models: Dict[Tuple[int, str], ExportedModel], out: Path, timing_cache: Path, max_batch: int,
                   max_seq: Optional[int], jit: bool, progress=None) -> Path:
-    """One engine per K into out, then the manifest; returns the manifest's path. Every model is
-    checked (precision, plugin nodes, profiles) before the first build."""
+    """One engine per (K, precision) into out, model_k{K}_{precision}.engine, then the manifest;
+    returns the manifest's path. Every model is checked (plugin nodes, profiles) before the
+    first build."""
     version = require_tensorrt()
-    check_precision(models, fp16)
     profiles = {}
-    for k, model in models.items():
+    for key, model in models.items():
         plugin_model(model)
-        profiles[k] = profile_shapes(model.io, max_batch, model.io.config.n_positions if max_seq is None else max_seq)
+        profiles[key] = profile_shapes(model.io, max_batch,
+                                       model.io.config.n_positions if max_seq is None else max_seq)
     if jit:
         require_cuda_torch()
     register_plugin()
     gpu = gpu_name()
     out = Path(out)
     entries = []
-    for k, model in models.items():
-        engine_file = f"model_k{k}.engine"
+    for (k, precision), model in models.items():
+        file = engine_file(k, precision)
         if progress:
-            progress(f"K={k}")
-        build_engine(model, out / engine_file, profiles[k], timing_cache, jit)
-        entries.append(engine_entry(engine_file, model, "jit" if jit else "aot", profiles[k], version, gpu))
+            progress(f"K={k} {precision}")
+        build_engine(model, out / file, profiles[k, precision], timing_cache, jit)
+        entries.append(engine_entry(file, model, "jit" if jit else "aot", profiles[k, precision], version, gpu))
     return write_manifest(out, entries)

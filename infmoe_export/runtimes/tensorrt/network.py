@@ -10,25 +10,32 @@ import onnx
 
 from ...contract import BATCH, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, TOTAL, DecoderIO, ExportedModel
 from ...errors import InfMoEError
+from ...quant import Q_OP_TYPE
 
-# The initializer every ContinuousSliceFFN node's starts are reshaped with (pin_expert_budget).
+# The ops the plugins implement; the quantized one's packed weights are inputs 2 and 5 (SPEC §6).
+PLUGIN_OPS = (OP_TYPE, Q_OP_TYPE)
+PACKED_INPUTS = (2, 5)
+
+# The initializer every plugin node's starts are reshaped with (pin_expert_budget).
 PINNED_K = "infmoe_trt_pinned_starts_shape"
 # starts is [batch, sequence, K] in every exported model (contract.py); Reshape's 0 keeps a dim.
 STARTS_LEADING_DIMS = (BATCH, SEQUENCE)
 
 
 def plugin_nodes(model: onnx.ModelProto, path) -> List[onnx.NodeProto]:
-    """The model's ContinuousSliceFFN nodes, refusing a model the parser would not map to the
-    plugin: a local function named like the op makes the parser expand it instead of using the
-    plugin, and the node needs the attributes the plugin lookup and the plugin itself read."""
-    if any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
-        raise InfMoEError(f"{path} carries the fallback function {DOMAIN}::{OP_TYPE}; TensorRT would expand it "
-                          "instead of using the plugin: export it with `infmoe-export onnx --no-function`")
+    """The model's ContinuousSliceFFN and QContinuousSliceFFN nodes, refusing a model the parser
+    would not map to the plugins: a local function named like an op makes the parser expand it
+    instead of using the plugin, and the node needs the attributes the plugin lookup and the
+    plugin itself read."""
+    for function in model.functions:
+        if function.domain == DOMAIN and function.name in PLUGIN_OPS:
+            raise InfMoEError(f"{path} carries the fallback function {DOMAIN}::{function.name}; TensorRT would expand "
+                              "it instead of using the plugin: export it with `infmoe-export onnx --no-function`")
     nodes = []
     for node in model.graph.node:
         if node.domain != DOMAIN:
             continue
-        if node.op_type != OP_TYPE:
+        if node.op_type not in PLUGIN_OPS:
             raise InfMoEError(f"{path}: node {node.name!r} has unknown op {node.domain}::{node.op_type}")
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         wanted = {"plugin_namespace": DOMAIN.encode(), "plugin_version": str(OP_VERSION).encode(),
@@ -37,10 +44,46 @@ def plugin_nodes(model: onnx.ModelProto, path) -> List[onnx.NodeProto]:
             if attrs.get(name) != value:
                 raise InfMoEError(f"{path}: node {node.name!r} needs attribute {name}={value.decode()!r}, "
                                   f"got {attrs.get(name)!r}")
-        if not isinstance(attrs.get("slice_width"), int):
-            raise InfMoEError(f"{path}: node {node.name!r} needs an integer attribute slice_width")
+        integers = ("slice_width", "bits", "block_size") if node.op_type == Q_OP_TYPE else ("slice_width",)
+        for name in integers:  # their values are the plugin's to check (descriptors)
+            if not isinstance(attrs.get(name), int):
+                raise InfMoEError(f"{path}: node {node.name!r} needs an integer attribute {name}")
         nodes.append(node)
     return nodes
+
+
+def retype_packed_weights(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], path) -> int:
+    """Hand every QContinuousSliceFFN node its packed weights as int8 initializers holding the same
+    bytes: TensorRT has no uint8 constants (INetworkDefinition::addConstant refuses kUINT8, and
+    older ONNX parsers widen uint8 weights to int32), and the kernel reads the bytes unsigned
+    whatever their type. Each int8 tensor is a copy of the uint8 one's proto with the type
+    changed (external data: the same file range, nothing read); a uint8 original nobody else
+    uses is dropped. Returns the number of tensors retyped."""
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    retyped = {}
+    for node in nodes:
+        if node.op_type != Q_OP_TYPE:
+            continue
+        for index in PACKED_INPUTS:
+            name = node.input[index]
+            tensor = initializers.get(name)
+            if tensor is None:
+                raise InfMoEError(f"{path}: node {node.name!r} input {index} ({name!r}) must be an initializer: "
+                                  "the plugin compiles the kernel for the weights' shapes")
+            if tensor.data_type != onnx.TensorProto.UINT8:
+                raise InfMoEError(f"{path}: node {node.name!r} input {index} ({name!r}) must be uint8 (SPEC §6), "
+                                  f"got {onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)}")
+            if name not in retyped:
+                copy = onnx.TensorProto()
+                copy.CopyFrom(tensor)
+                copy.name, copy.data_type = f"{name}_int8", onnx.TensorProto.INT8
+                retyped[name] = copy
+            node.input[index] = retyped[name].name
+    used = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    kept = [t for t in model.graph.initializer if t.name not in retyped or t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept + list(retyped.values()))
+    return len(retyped)
 
 
 def pin_expert_budget(model: onnx.ModelProto, k: int, path) -> int:
@@ -50,8 +93,8 @@ def pin_expert_budget(model: onnx.ModelProto, k: int, path) -> int:
     plugin nodes (at least one)."""
     nodes = plugin_nodes(model, path)
     if not nodes:
-        raise InfMoEError(f"{path} has no {DOMAIN}::{OP_TYPE} node: a TensorRT engine here is built for the "
-                          "plugin; export a model with the op (`infmoe-export onnx --no-function`)")
+        raise InfMoEError(f"{path} has no {DOMAIN}::{OP_TYPE} or {Q_OP_TYPE} node: a TensorRT engine here is built "
+                          "for the plugin; export a model with the op (`infmoe-export onnx --no-function`)")
     shape = [0] * len(STARTS_LEADING_DIMS) + [k]
     model.graph.initializer.append(onnx.helper.make_tensor(PINNED_K, onnx.TensorProto.INT64, [len(shape)], shape))
     graph = list(model.graph.node)
@@ -66,9 +109,10 @@ def pin_expert_budget(model: onnx.ModelProto, k: int, path) -> int:
 
 
 def plugin_model(exported: ExportedModel) -> onnx.ModelProto:
-    """The exported model as TensorRT's parser gets it: checked, K pinned; weights stay where
-    they are (external data is read by the parser next to exported.path)."""
+    """The exported model as TensorRT's parser gets it: checked, K pinned, packed weights int8;
+    weights stay where they are (external data is read by the parser next to exported.path)."""
     model = onnx.load(str(exported.path), load_external_data=False)
+    retype_packed_weights(model, plugin_nodes(model, exported.path), exported.path)
     pin_expert_budget(model, exported.k, exported.path)
     return model
 

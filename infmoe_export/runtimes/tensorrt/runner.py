@@ -49,9 +49,11 @@ class TrtRunner(PolygraphyTrtRunner):
         super().__init__(EngineFromBytes(BytesFromPath(entry["path"])), name=name or f"tensorrt-k{decoder_io.k}")
 
     @classmethod
-    def from_engines(cls, engines, k: int, *, name: Optional[str] = None) -> "TrtRunner":
-        """The runner of the engine for expert budget k in an engine folder (or its manifest)."""
-        entry = select_engine(read_manifest(engines), k)
+    def from_engines(cls, engines, k: int, precision: Optional[str] = None, *,
+                     name: Optional[str] = None) -> "TrtRunner":
+        """The runner of the engine for expert budget k and precision (None: the only one for k)
+        in an engine folder (or its manifest)."""
+        entry = select_engine(read_manifest(engines), k, precision)
         return cls(DecoderIO.from_metadata(entry["metadata"]), entry, name=name)
 
     def infer_impl(self, feed_dict, *args, **kwargs):

@@ -9,16 +9,19 @@ driver helper and so needs a host compiler on the build machine):
   ptxas knows. Triton otherwise writes its own toolkit's version (PTX ISA 9.4 for Triton 3.9,
   CUDA 13.4), which a driver older than CUDA 13.4 refuses to load.
 
-The PTX entry keeps exactly the 7 pointer parameters TensorRT passes (6 inputs, then Y; no
-extra scalars): Triton's hidden scratch pointers are checked unused and removed.
+The PTX entry keeps exactly the pointer parameters TensorRT passes (the op's inputs, then Y: 7
+for ContinuousSliceFFN, 9 for QContinuousSliceFFN; no extra scalars): Triton's hidden scratch
+pointers are checked unused and removed.
 """
 
 from typing import Optional, Tuple
 
 from infmoe_export.errors import InfMoEError
+from infmoe_export.quant import Q_OP_TYPE, check_bits, check_block_size
 
 from . import cuda_driver
-from .kernel import COLUMNS_BLOCK_D, COLUMNS_BLOCK_R, NUM_WARPS, continuous_slice_ffn_kernel
+from .kernel import (COLUMNS_BLOCK_D, COLUMNS_BLOCK_R, NUM_WARPS, continuous_slice_ffn_kernel,
+                     q_continuous_slice_ffn_kernel, quant_constants)
 
 # PTX ISA version of each CUDA 12 release (NVIDIA's PTX ISA "Release History" table): 12.6
 # brought no new ISA, so from 12.7 on the minor numbers are one apart. CUDA 11.x is 7.x, and
@@ -70,9 +73,13 @@ def ptx_version(capability: int, driver: Optional[Tuple[int, int]] = None) -> Op
     return min(wanted, ptx_isa_for_cuda((major, minor)))
 
 
-def columns_constants(H: int, D: int, R: int, K: int) -> dict:
-    """The kernel's compile-time arguments in COLUMNS mode (what engines and --jit launch)."""
-    return {"H": H, "D": D, "R": R, "K": K, "BLOCK_R": COLUMNS_BLOCK_R, "BLOCK_D": COLUMNS_BLOCK_D, "SPLIT": False}
+def columns_constants(H: int, D: int, R: int, K: int, bits: Optional[int] = None,
+                      block_size: Optional[int] = None) -> dict:
+    """The kernel's compile-time arguments in COLUMNS mode (what engines and --jit launch); bits
+    and block_size for QContinuousSliceFFN."""
+    constants = {"H": H, "D": D, "R": R, "K": K, "BLOCK_R": COLUMNS_BLOCK_R, "BLOCK_D": COLUMNS_BLOCK_D,
+                 "SPLIT": False}
+    return constants if bits is None else dict(constants, **quant_constants(bits, block_size))
 
 
 def columns_grid_y(D: int) -> int:
@@ -80,29 +87,49 @@ def columns_grid_y(D: int) -> int:
     return -(-D // COLUMNS_BLOCK_D)
 
 
-def compile_ptx(dtype: str, H: int, D: int, R: int, K: int, *, capability: Optional[int] = None,
+def kernel_signature(dtype: str, bits: Optional[int]):
+    """(Triton kernel, its pointer signature) for X of `dtype`; bits None: the float op. The
+    packed weights are int8 pointers because TensorRT passes them as int8 (network.plugin_model);
+    the kernel reads the bytes unsigned either way."""
+    pointer = f"*{dtype}"
+    if bits is None:
+        return continuous_slice_ffn_kernel, {
+            "x_ptr": pointer, "starts_ptr": "*i64", "w_in_ptr": pointer, "b_in_ptr": pointer, "w_out_ptr": pointer,
+            "b_out_ptr": pointer, "y_ptr": pointer}
+    return q_continuous_slice_ffn_kernel, {
+        "x_ptr": pointer, "starts_ptr": "*i64", "w_in_q_ptr": "*i8", "w_in_scale_ptr": pointer, "b_in_ptr": pointer,
+        "w_out_q_ptr": "*i8", "w_out_scale_ptr": pointer, "b_out_ptr": pointer, "y_ptr": pointer}
+
+
+def compile_ptx(dtype: str, H: int, D: int, R: int, K: int, *, bits: Optional[int] = None,
+                block_size: Optional[int] = None, capability: Optional[int] = None,
                 driver: Optional[Tuple[int, int]] = None) -> dict:
-    """PTX of the COLUMNS kernel specialised on H, D, r, K, for `capability` (default: this
-    machine's GPU) and the PTX version `driver` (default: the installed driver) loads.
+    """PTX of the COLUMNS kernel specialised on H, D, r, K (and, for QContinuousSliceFFN, bits
+    and block_size), for `capability` (default: this machine's GPU) and the PTX version `driver`
+    (default: the installed driver) loads.
 
     Returns the kernel name, PTX, block size, shared memory, grid_y and the PTX version."""
     import triton
 
+    op = "ContinuousSliceFFN" if bits is None else Q_OP_TYPE
     if dtype not in DTYPES:
-        raise InfMoEError(f"ContinuousSliceFFN: no kernel for dtype {dtype!r} (float32 or float16 only)")
+        raise InfMoEError(f"{op}: no kernel for dtype {dtype!r} (float32 or float16 only)")
     if not (1 <= R <= H and D >= 1 and K >= 1):
-        raise InfMoEError(f"ContinuousSliceFFN: invalid specialisation H={H} D={D} r={R} K={K}")
+        raise InfMoEError(f"{op}: invalid specialisation H={H} D={D} r={R} K={K}")
+    if bits is not None:
+        try:
+            check_bits(bits), check_block_size(block_size)
+        except InfMoEError as error:
+            raise InfMoEError(f"{op}: {error}") from None
     target = gpu_target(capability)
-    pointer = f"*{dtype}"
-    signature = {"x_ptr": pointer, "starts_ptr": "*i64", "w_in_ptr": pointer, "b_in_ptr": pointer,
-                 "w_out_ptr": pointer, "b_out_ptr": pointer, "y_ptr": pointer}
-    constants = columns_constants(H, D, R, K)
+    kernel, signature = kernel_signature(dtype, bits)
+    constants = columns_constants(H, D, R, K, bits, block_size)
     signature.update({name: "constexpr" for name in constants})
     options = {"num_warps": NUM_WARPS}
     version = ptx_version(target.arch, driver)
     if version is not None:
         options["ptx_version"] = version
-    source = triton.compiler.ASTSource(fn=continuous_slice_ffn_kernel, signature=signature, constexprs=constants)
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(source, target=target, options=options)
     metadata = compiled.metadata
     ptx = strip_scratch_params(compiled.asm["ptx"], metadata.name, n_params=len(signature) - len(constants),
@@ -115,18 +142,18 @@ def compile_ptx(dtype: str, H: int, D: int, R: int, K: int, *, capability: Optio
 def strip_scratch_params(ptx: str, name: str, n_params: int, scratch=(0, 0)) -> str:
     """Keep only the first n_params parameters of entry `name`; the rest must be unused pointers."""
     if any(scratch):
-        raise InfMoEError(f"ContinuousSliceFFN: kernel {name} needs Triton scratch memory {scratch}, "
+        raise InfMoEError(f"kernel {name} needs Triton scratch memory {scratch}, "
                           "which a TensorRT AOT plugin cannot provide")
     lines = ptx.splitlines(keepends=True)
     declared = [i for i, line in enumerate(lines) if f"{name}_param_" in line and ".param" in line
                 and "ld.param" not in line]
     extra = declared[n_params:]
     if len(declared) < n_params or len(extra) > 2:
-        raise InfMoEError(f"ContinuousSliceFFN: unexpected PTX entry for {name}: "
+        raise InfMoEError(f"unexpected PTX entry for {name}: "
                           f"{len(declared)} parameters, expected {n_params} (+ up to 2 scratch pointers)")
     for index in range(n_params, len(declared)):
         if f"[{name}_param_{index}]" in ptx:
-            raise InfMoEError(f"ContinuousSliceFFN: PTX of {name} reads hidden parameter {index}")
+            raise InfMoEError(f"PTX of {name} reads hidden parameter {index}")
     if extra:
         last = declared[n_params - 1]
         lines[last] = lines[last].rstrip().rstrip(",") + "\n"

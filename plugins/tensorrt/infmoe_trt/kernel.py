@@ -241,7 +241,8 @@ def check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width: int, activati
 
 
 def check_q_inputs(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width: int, bits: int,
-                   block_size: int, activation: str = "gelu_tanh", *, check_starts: bool = True) -> Tuple[int, int, int]:
+                   block_size: int, activation: str = "gelu_tanh", *,
+                   check_starts: bool = True) -> Tuple[int, int, int]:
     """QContinuousSliceFFN's rules (quant.check_q_op_inputs: bits, block size, storage), the
     float op's on the dequantized shapes, and the kernel's limits; returns (H, D, K)."""
     H, D, _ = check_q_op_inputs(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width,
