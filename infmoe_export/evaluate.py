@@ -82,11 +82,20 @@ def perplexity(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: int, noise:
 
 
 @torch.no_grad()
+def window_union(starts: torch.Tensor, slice_width: int) -> torch.Tensor:
+    """Hidden units in each token's union of windows [s, s + r), for starts [..., K]: r plus
+    each gap between sorted starts, capped at r."""
+    ordered = starts.sort(dim=-1).values
+    return slice_width + ordered.diff(dim=-1).clamp(max=slice_width).sum(-1)
+
+
 def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional[int] = None,
                   batch_size: int = 16) -> List[Dict]:
     """Per layer, over all tokens (quantile noise): the share of H covered by the union of all
     windows, the share of the start range [0, H - r] used, the std of starts as a share of
-    H - r (a uniform spread gives ~0.29), and the most common start's share of all starts."""
+    H - r (a uniform spread gives ~0.29), the most common start's share of all starts, and the
+    mean size of one token's union of K windows in units of r (1 when all K coincide, K when
+    they are disjoint): how much K can change a token's output."""
     c = model.config
     k = c.num_samples if k is None else k
     was_training = model.training
@@ -95,12 +104,13 @@ def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional
     for run in batches(windows, batch_size):
         starts = model(torch.stack([windows[i] for i in run]), k=k, return_starts=True).starts
         for layer, s in enumerate(starts):
-            per_layer[layer].append(s.flatten())
+            per_layer[layer].append(s.reshape(-1, k))
     model.train(was_training)
     positions = c.ffn_hidden - c.slice_width + 1
     stats = []
     for layer, chunks in enumerate(per_layer):
-        s = torch.cat(chunks)
+        per_token = torch.cat(chunks)
+        s = per_token.flatten()
         counts = torch.bincount(s, minlength=positions)
         covered = torch.zeros(c.ffn_hidden + 1)
         used = (counts > 0).nonzero().flatten()
@@ -112,5 +122,6 @@ def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional
             "starts_used": (counts > 0).float().mean().item(),
             "start_std": (s.float().std().item() / max(positions - 1, 1)) if s.numel() > 1 else 0.0,
             "top_start_share": (counts.max() / s.numel()).item(),
+            "token_union": (window_union(per_token, c.slice_width).float().mean() / c.slice_width).item(),
         })
     return stats

@@ -215,3 +215,15 @@ def test_spread_term_reopens_collapsed_windows():
     assert len(entropies) == config.n_layer
     assert sigma_after > 10 * sigma_before, (sigma_before, sigma_after)
     assert distinct_after > distinct_before + 2, (distinct_before, distinct_after)
+
+
+def test_window_union_counts_each_hidden_unit_once():
+    from infmoe_export.evaluate import window_union
+
+    r, h = 7, 60
+    starts = torch.randint(0, h - r + 1, (50, 5))
+    starts[0] = torch.tensor([0, 0, 0, 0, 0])           # all coincide: r
+    starts[1] = torch.tensor([h - r, 0, 14, 7, 21])     # disjoint, unsorted: K r
+    expected = [len({u for s in row.tolist() for u in range(s, s + r)}) for row in starts]
+    assert window_union(starts, r).tolist() == expected
+    assert expected[0] == r and expected[1] == 5 * r
