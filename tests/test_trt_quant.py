@@ -19,11 +19,17 @@ import onnx
 import pytest
 import torch
 
-from infmoe_export.contract import DecoderIO, ExportedModel
+from test_tensorrt import TINY, stub_plugin, tensorrt_stub, write_fake_build  # noqa: F401 -- shared stand-ins
+
+from infmoe_export.contract import ExportedModel
 from infmoe_export.errors import InfMoEError
+from infmoe_export.export import export_onnx
+from infmoe_export.model import InfMoEGPT
 from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
+from infmoe_export.runtimes.tensorrt import build, manifest, network
 
 pytest.importorskip("triton")
+from infmoe_trt import compile as trt_compile  # noqa: E402
 from infmoe_trt import descriptors, kernel  # noqa: E402
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
@@ -169,3 +175,230 @@ def test_bad_input_is_one_line_naming_the_problem(change, bits, block_size, mess
     with pytest.raises(InfMoEError, match=message) as raised:
         kernel.q_continuous_slice_ffn_triton(*inputs, 5, bits, block_size)
     assert "\n" not in str(raised.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin: attributes, ranks, types, specialisation (plain functions and register)
+
+Q_DTYPES = ["float32", "int64", "int8", "float32", "float32", "int8", "float32", "float32"]
+Q_SHAPES = [(None, None, 19), (None, None, 3), (37, 10), (37, 2), (37,), (37, 10), (37, 2), (19,)]  # int4, B 16
+
+
+def q_descs(trtp, dtype="float32", shapes=Q_SHAPES):
+    types = [f"DataType.{dtype if t == 'float32' else t}" for t in Q_DTYPES]
+    return [trtp.TensorDesc(tuple(-2 if d is None else d for d in shape), t) for shape, t in zip(shapes, types)]
+
+
+def test_register_checks_bits_and_block_size(stub_plugin):  # noqa: F811
+    trtp, registered = stub_plugin
+    register = registered["infmoe::QContinuousSliceFFN"]["register"]
+    y = register(*q_descs(trtp), slice_width=5, activation="gelu_tanh\x00", bits=4, block_size=16)
+    assert y.dtype == "DataType.float32" and len(y.shape_expr) == 3
+    for bits, block_size, message in [(3, 16, "bits must be 4 or 8, got 3"),
+                                      (4, 24, "block size must be a power of two >= 16, got 24"),
+                                      (8, 8, "block size must be a power of two >= 16, got 8")]:
+        with pytest.raises(InfMoEError, match=f"infmoe::QContinuousSliceFFN: {message}") as raised:
+            register(*q_descs(trtp), slice_width=5, activation="gelu_tanh", bits=bits, block_size=block_size)
+        assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("index, dtype, message", [
+    (2, "uint8", "w_in_q must be int8 \\(the uint8 storage retyped by `infmoe-export trt`\\), got uint8"),
+    (5, "float32", "w_out_q must be int8"),
+    (3, "float16", "w_in_scale must have X's dtype float32, got float16"),
+    (7, "float16", "b_out must have X's dtype"),
+    (1, "int32", "starts must be int64"),
+])
+def test_q_descriptors_refuse_bad_types(index, dtype, message):
+    assert descriptors.output_dtype(Q_DTYPES, descriptors.Q_OP) == "float32"
+    dtypes = list(Q_DTYPES)
+    dtypes[index] = dtype
+    with pytest.raises(InfMoEError, match=f"QContinuousSliceFFN: {message}"):
+        descriptors.output_dtype(dtypes, descriptors.Q_OP)
+
+
+def test_q_descriptors_check_ranks():
+    descriptors.check_ranks([3, 3, 2, 2, 1, 2, 2, 1], descriptors.Q_OP)
+    with pytest.raises(InfMoEError, match="w_out_scale must have rank 2"):
+        descriptors.check_ranks([3, 3, 2, 2, 1, 2, 1, 1], descriptors.Q_OP)
+    with pytest.raises(InfMoEError, match="expected 8 inputs"):
+        descriptors.check_ranks([3, 3, 2, 1, 2, 1], descriptors.Q_OP)
+
+
+def test_q_specialisation_takes_d_from_x():
+    # int4 with odd D: 10 packed bytes hold 19 or 20 columns; X says which.
+    assert descriptors.specialisation(Q_SHAPES, 5, 4, 16) == {"H": 37, "D": 19, "R": 5, "K": 3}
+    # int8 stores a byte per weight, so a dynamic X's D is w_in_q's dim 1.
+    int8 = [(None, None, None), (None, None, 3), (37, 19), (37, 1), (37,), (37, 19), (37, 1), (19,)]
+    assert descriptors.specialisation(int8, 5, 8, 32)["D"] == 19
+    with pytest.raises(InfMoEError, match="D \\(X's last dim\\) must be static"):
+        descriptors.specialisation([(None, None, None)] + Q_SHAPES[1:], 5, 4, 16)
+
+
+@pytest.mark.parametrize("index, shape, message", [
+    (2, (37, 19), "w_in_q must have shape \\[37, 10\\] for D 19, 4 bits and block size 16, got \\[37, 19\\]"),
+    (6, (37, 1), "w_out_scale must have shape \\[37, 2\\]"),
+    (4, (36,), "b_in must have shape \\[37\\]"),
+    (7, (20,), "b_out must have shape \\[19\\]"),
+])
+def test_q_specialisation_refuses_mismatched_storage(index, shape, message):
+    shapes = list(Q_SHAPES)
+    shapes[index] = shape
+    with pytest.raises(InfMoEError, match=message):
+        descriptors.specialisation(shapes, 5, 4, 16)
+
+
+def test_compile_ptx_refuses_bad_bits_and_block_size_before_compiling():
+    with pytest.raises(InfMoEError, match="QContinuousSliceFFN: bits must be 4 or 8, got 2"):
+        trt_compile.compile_ptx("fp32", 37, 19, 5, 3, bits=2, block_size=16, capability=90)
+    with pytest.raises(InfMoEError, match="QContinuousSliceFFN: block size must be a power of two >= 16, got 48"):
+        trt_compile.compile_ptx("fp32", 37, 19, 5, 3, bits=8, block_size=48, capability=90)
+
+
+# The quantized plugin's AOT implementation as TensorRT runs it at build time, in a fresh
+# interpreter without TRITON_INTERPRET, for an sm_90 GPU and a CUDA 12.4 driver (given, so no
+# driver is touched), every PTX through ptxas for its target.
+Q_AOT_SCRIPT = """
+import json, re, subprocess, sys, tempfile
+STUB
+trt, trtp = tensorrt_stub()
+sys.modules["tensorrt"], sys.modules["tensorrt.plugin"] = trt, trtp
+import infmoe_trt.cuda_driver as driver
+driver.compute_capability = lambda: 90
+driver.driver_cuda_version = lambda: (12, 4)
+from triton.backends.nvidia.compiler import get_ptxas
+import infmoe_trt.plugin
+aot = trtp.registered["infmoe::QContinuousSliceFFN"]["aot_impl"]
+report = {}
+for bits, block, D in ((8, 32, 45), (4, 16, 45), (4, 64, 70)):
+    for dtype in ("float32", "float16"):
+        t = "DataType." + dtype
+        packed, blocks = (D if bits == 8 else (D + 1) // 2), -(-D // block)
+        shapes = [(-2, -3, D), (-2, -3, 3), (37, packed), (37, blocks), (37,), (37, packed), (37, blocks), (D,)]
+        types = [t, "DataType.int64", "DataType.int8", t, t, "DataType.int8", t, t]
+        inputs = [trtp.TensorDesc(s, ty) for s, ty in zip(shapes, types)]
+        name, ptx, launch, extra = aot(*inputs, 5, "gelu_tanh\\x00", bits, block, (inputs[0].like(),), 0)
+        entry = re.search(r"\\.entry\\s+(\\w+)\\(([^)]*)\\)", ptx)
+        arch = re.search(r"\\.target\\s+(sm_\\w+)", ptx).group(1)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        ptxas = subprocess.run([get_ptxas(90).path, "-arch=" + arch, f.name, "-o", "/dev/null"],
+                               capture_output=True, text=True)
+        report[f"int{bits}-b{block}-D{D}-{dtype}"] = dict(
+            name=name, entry=entry.group(1), params=entry.group(2).count(".param"),
+            version=re.search(r"\\.version\\s+(\\S+)", ptx).group(1), arch=arch, grid=[launch.grid_x, launch.grid_y],
+            block_x=launch.block_x, extra=extra.length, ptxas=ptxas.returncode, err=ptxas.stderr[-300:])
+print(json.dumps(report))
+"""
+
+
+def test_q_aot_impl_gives_ptx_that_ptxas_assembles_for_sm_90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Q_AOT_SCRIPT.replace("STUB", inspect.getsource(tensorrt_stub))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    for what, r in report.items():
+        assert r["entry"] == r["name"] == "q_continuous_slice_ffn_kernel", what
+        assert r["params"] == 9, f"{what}: 8 input pointers + Y, no hidden scratch pointers"
+        assert r["version"] == "8.4" and r["arch"] in ("sm_90", "sm_90a"), what
+        D = int(what.split("-D")[1].split("-")[0])
+        assert r["grid"] == [2 * 3, -(-D // 64)] and r["block_x"] == 128 and r["extra"] == 0, what
+        assert r["ptxas"] == 0, f"{what}: ptxas rejected the PTX: {r['err']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model the parser gets, engines per (K, precision)
+
+
+@pytest.fixture(scope="module")
+def q_exports(tmp_path_factory):
+    """The tiny model exported for K = 2 as trt exports it (no function): int8 and int4, B 16."""
+    torch.manual_seed(SEED % 2**31)
+    model = InfMoEGPT(TINY).eval()
+    folder = tmp_path_factory.mktemp("q_onnx")
+    return {dtype: export_onnx(model, folder / dtype / "model_k2.onnx", k=2, dtype=dtype, block_size=16,
+                               function=False) for dtype in ("int8", "int4")}
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_parser_model_has_int8_packed_weights_and_pinned_k(q_exports, dtype):
+    exported = q_exports[dtype]
+    original = onnx.load(str(exported.path))
+    packed = {i.name: onnx.numpy_helper.to_array(i) for i in original.graph.initializer
+              if i.data_type == onnx.TensorProto.UINT8}
+    model = network.plugin_model(exported)
+    onnx.checker.check_model(model)
+    nodes = network.plugin_nodes(model, exported.path)
+    assert [n.op_type for n in nodes] == ["QContinuousSliceFFN"] * TINY.n_layer
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert (attrs["bits"], attrs["block_size"]) == (int(dtype[3:]), 16)
+    initializers = {i.name: i for i in model.graph.initializer}
+    assert not any(i.data_type == onnx.TensorProto.UINT8 for i in model.graph.initializer)  # none left for TensorRT
+    for node in nodes:
+        for index in network.PACKED_INPUTS:
+            retyped = initializers[node.input[index]]
+            assert retyped.data_type == onnx.TensorProto.INT8
+            source = packed[retyped.name.removesuffix("_int8")]
+            assert onnx.numpy_helper.to_array(retyped).view("uint8").tobytes() == source.tobytes()  # same bytes
+    pinned = next(i for i in model.graph.initializer if i.name == network.PINNED_K)
+    assert onnx.numpy_helper.to_array(pinned).tolist() == [0, 0, 2]
+
+
+def test_parser_model_refuses_quantized_function_and_bad_attributes(q_exports, tmp_path):
+    model = onnx.load(str(q_exports["int4"].path))
+    node = next(n for n in model.graph.node if n.op_type == "QContinuousSliceFFN")
+    kept = [a for a in node.attribute if a.name != "bits"]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    onnx.save(model, tmp_path / "no_bits.onnx")
+    with pytest.raises(InfMoEError, match="needs an integer attribute bits"):
+        network.plugin_model(ExportedModel.read(tmp_path / "no_bits.onnx"))
+    model.functions.append(onnx.helper.make_function("infmoe", "QContinuousSliceFFN", ["X"], ["Y"],
+                                                     [onnx.helper.make_node("Identity", ["X"], ["Y"])],
+                                                     [onnx.helper.make_opsetid("", 18)]))
+    onnx.save(model, tmp_path / "with_function.onnx")
+    with pytest.raises(InfMoEError, match="fallback function infmoe::QContinuousSliceFFN.*--no-function"):
+        network.plugin_model(ExportedModel.read(tmp_path / "with_function.onnx"))
+
+
+def test_plan_models_by_k_and_precision(q_exports):
+    paths = [q_exports["int8"].path, q_exports["int4"].path]
+    assert list(build.plan_models(paths, None)) == [(2, "int8"), (2, "int4")]
+    assert list(build.plan_models(paths, [2], ["int4"])) == [(2, "int4")]
+    with pytest.raises(InfMoEError, match="no fp32 model for K=2: the given models are K=2 int4, K=2 int8"):
+        build.plan_models(paths, None, ["fp32", "int8"])
+
+
+def test_manifest_picks_by_k_and_precision(q_exports, tmp_path):
+    write_fake_build(tmp_path, q_exports["int4"], [1, 2], precisions=("int4", "fp32", "int8"))
+    read = manifest.read_manifest(tmp_path)
+    assert [(e["k"], e["precision"]) for e in read["engines"]] == [
+        (1, "fp32"), (1, "int8"), (1, "int4"), (2, "fp32"), (2, "int8"), (2, "int4")]
+    chosen = manifest.select_engine(read, 2, "int8")
+    assert (chosen["k"], chosen["precision"], chosen["file"]) == (2, "int8", "model_k2_int8.engine")
+    assert chosen["path"].endswith("model_k2_int8.engine")
+    with pytest.raises(InfMoEError, match="holds engines for K=2 in fp32, int8, int4: choose a precision"):
+        manifest.select_engine(read, 2)
+    with pytest.raises(InfMoEError, match="no TensorRT engine for K=2 fp16 .*available: K=1 fp32, K=1 int8"):
+        manifest.select_engine(read, 2, "fp16")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda engines: engines[0].update(precision="int3"), "engine 0 has precision 'int3'"),
+    (lambda engines: engines.append(dict(engines[0])), "two engines for K=2 int4"),
+])
+def test_manifest_refuses_bad_precisions(q_exports, tmp_path, change, message):
+    path = write_fake_build(tmp_path, q_exports["int4"], [2], precisions=("int4",))
+    content = json.loads(path.read_text())
+    change(content["engines"])
+    path.write_text(json.dumps(content))
+    with pytest.raises(InfMoEError, match=message):
+        manifest.read_manifest(tmp_path)
+
+
+def test_trt_refuses_a_precision_the_models_lack(q_exports, tmp_path, run_cli):
+    code, _, err = run_cli("trt", "--out", tmp_path / "engines", "--model", q_exports["int4"].path, "--dtype", "fp32")
+    assert code == 1 and err.count("\n") == 1 and "no fp32 model for K=2: the given models are K=2 int4" in err
+    assert not (tmp_path / "engines").exists()
