@@ -36,12 +36,12 @@ TARGETS = {"decode_vs_fallback": 1.4, "decode_vs_eager": 1.5, "decode_vs_dense_m
            "decode_over_roofline": 1.25, "prefill_vs_fallback": 1.0}
 
 
-def decode_bytes(model: InfMoEGPT, k: int) -> int:
-    """Bytes a batch-1 decode step at PAST must read (fp32): every weight except the unused
+def decode_bytes(model: InfMoEGPT, k: int, past: int = PAST) -> int:
+    """Bytes a batch-1 decode step at `past` must read (fp32): every weight except the unused
     rows of w_in / w_out and all but two embedding rows, plus the KV cache. The union of the
     windows is the one the reference picks for the timed token (same text as the benchmark)."""
     c = model.config
-    ids = torch.from_numpy(text_tokens(PAST + 1)).view(1, -1)
+    ids = torch.from_numpy(text_tokens(past + 1)).view(1, -1)
     with torch.no_grad():
         starts = model(ids, k=k, return_starts=True).starts
     total = 0
@@ -53,7 +53,7 @@ def decode_bytes(model: InfMoEGPT, k: int) -> int:
     for s in starts:
         union = int((coverage(s[0, -1], c.ffn_hidden, c.slice_width) > 0).sum())
         total += 2 * union * c.d_model
-    total += c.n_layer * 2 * PAST * c.d_model  # keys and values of the cache
+    total += c.n_layer * 2 * past * c.d_model  # keys and values of the cache
     return 4 * total
 
 

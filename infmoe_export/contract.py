@@ -39,6 +39,13 @@ MAX_K = 65536
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
 # The precision of the expert part (the FFN weights and the op); see exporter.py.
 DTYPES = ("fp32", "fp16")
+# What the graph is written for (docs/export.md, Targets): standard ops only (portable, tensorrt:
+# TensorRT fuses attention itself), or onnxruntime's fused contrib ops with a KV cache that past
+# and present may share in place. Files from before targets are portable.
+TARGETS, DEFAULT_TARGET = ("portable", "onnxruntime", "tensorrt"), "portable"
+# The onnxruntime target's GroupQueryAttention reads these two; the graph computes them from
+# attention_mask (as onnxruntime-genai's builder does), so clients feed Optimum's inputs only.
+SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "total_sequence_length"
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class DecoderIO:
     past: bool = True
     with_starts: bool = False
     dtype: str = "fp32"
+    target: str = DEFAULT_TARGET
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_K:
@@ -57,6 +65,14 @@ class DecoderIO:
             raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {self.noise!r}")
         if self.dtype not in DTYPES:
             raise InfMoEError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.target not in TARGETS:
+            raise InfMoEError(f"target must be one of {TARGETS}, got {self.target!r}")
+
+    @property
+    def shares_cache(self) -> bool:
+        """past and present may be one buffer of n_positions written in place (the onnxruntime
+        target's GroupQueryAttention); otherwise present is a new past + sequence tensor."""
+        return self.past and self.target == "onnxruntime"
 
     # -- names and shapes --------------------------------------------------------------------
 
@@ -151,6 +167,7 @@ class DecoderIO:
         return {"infmoe.config": json.dumps(self.config.to_dict(), sort_keys=True), "infmoe.k": str(self.k),
                 "infmoe.noise": self.noise, "infmoe.past": str(int(self.past)),
                 "infmoe.with_starts": str(int(self.with_starts)), "infmoe.dtype": self.dtype,
+                "infmoe.target": self.target,
                 "infmoe.opset": str(opset), "infmoe.has_function": str(int(has_function)),
                 "infmoe.exporter_version": __version__}
 
@@ -159,7 +176,8 @@ class DecoderIO:
         try:
             config = InfMoEConfig.from_dict(json.loads(props["infmoe.config"]))
             return cls(config, int(props["infmoe.k"]), props["infmoe.noise"], props["infmoe.past"] == "1",
-                       props["infmoe.with_starts"] == "1", props["infmoe.dtype"])
+                       props["infmoe.with_starts"] == "1", props["infmoe.dtype"],
+                       target=props.get("infmoe.target", DEFAULT_TARGET))
         except (KeyError, ValueError) as error:
             raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
 

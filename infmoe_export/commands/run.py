@@ -17,6 +17,7 @@ from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..options import SEED
 from ..export import DEFAULT_OPSET, export_onnx
+from ..export.ort_target import fits_onnxruntime
 from ..files import sha256
 from ..runtimes.generate import check_request, generate
 from ..runtimes.ort import OrtRunner
@@ -29,21 +30,23 @@ def cache_dir() -> Path:
 
 
 def cached_export(checkpoint: Optional[Path] = None, k: Optional[int] = None) -> ExportedModel:
-    """The checkpoint exported with default options, from the cache or exported and validated now.
+    """The checkpoint exported for onnxruntime (the portable graph when its head_dim does not fit
+    GroupQueryAttention), from the cache or exported and validated now.
     Keyed by a hash of the checkpoint files and the options, so a new checkpoint or exporter
     version gets a new entry. An entry is exported and validated in a staging folder and renamed
     into place only then, so an interrupted or failed run never leaves a model in the cache."""
     checkpoint = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     model = load_checkpoint(checkpoint)  # validates it, and names the problem if it is not one
+    target = "onnxruntime" if fits_onnxruntime(model.config) else "portable"
     key = sha256(checkpoint / CONFIG_FILE, checkpoint / WEIGHTS_FILE,
-                 prefix=f"{__version__} k={k} opset={DEFAULT_OPSET}".encode())
+                 prefix=f"{__version__} k={k} opset={DEFAULT_OPSET} target={target}".encode())
     entry = cache_dir() / key[:20]
     if not (entry / "model.onnx").is_file():
         click.echo(f"exporting {checkpoint} into the cache {entry} (once)", err=True)
         entry.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         try:
-            validate_onnx(model, export_onnx(model, staging / "model.onnx", k=k).path)
+            validate_onnx(model, export_onnx(model, staging / "model.onnx", k=k, target=target).path)
             os.rename(staging, entry)  # fails if another process published it first: keep theirs
         except OSError:
             pass

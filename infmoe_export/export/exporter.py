@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from ..contract import BATCH, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel
+from ..contract import BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
 from .function import ir_function
+from .ort_target import OrtDecoder, finish_ort_graph
 
 # torch.onnx's dynamo exporter emits opset 18 and up (its op library is written for 18); the
 # newest is the newest the installed onnx knows (28 with onnx 1.23; 18-28 exported and
@@ -309,13 +310,17 @@ def save_model(model: ir.Model, path: Path):
 
 def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[int] = None,
                 noise: str = "quantile", past: bool = True, opset: int = DEFAULT_OPSET, dtype: str = "fp32",
-                function: bool = True, with_starts: bool = False) -> ExportedModel:
-    """Export model for expert budget k (default: its num_samples) to path."""
-    decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype)
+                function: bool = True, with_starts: bool = False, target: str = DEFAULT_TARGET) -> ExportedModel:
+    """Export model for expert budget k (default: its num_samples) to path; target: the graph's
+    runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py)."""
+    decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype,
+                           target=target)
     check_opset(opset)
     path = output_file(path)
 
     module = _ExportModule(model, decoder_io)
+    if target == "onnxruntime":
+        module = OrtDecoder(module)
     config = model.config
     batch, sequence = Dim(BATCH), Dim(SEQUENCE, max=config.n_positions)
     axes = {"input_ids": {0: batch, 1: sequence}, "attention_mask": {0: batch, 1: Dim.AUTO},
@@ -339,6 +344,8 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     _name_nodes(onnx_model.graph)
     _outputs_not_consumed(onnx_model.graph)
     _slice_positions_from_the_end(onnx_model.graph, decoder_io)
+    if target == "onnxruntime":
+        finish_ort_graph(onnx_model.graph)
     onnx_model.graph.sort()
     has_function = function and not config.is_dense  # a dense model has no custom op to fall back from
     if has_function:

@@ -129,8 +129,10 @@ def tokenizer_config(exported: ExportedModel) -> dict:
 
 def genai_config(exported: ExportedModel, custom_ops_library: Optional[str]) -> dict:
     """onnxruntime-genai's config: the generic "decoder" type with our names (its "gpt2" type
-    expects other input names), the cache not shared between past and present (our present is
-    past + new tokens, a new buffer each step), greedy search."""
+    expects other input names), greedy search. past_present_share_buffer for the onnxruntime
+    target, whose GroupQueryAttention writes the new keys and values into a buffer of
+    context_length in place; a portable graph returns a new present (past + new tokens) each
+    step, so its cache cannot be shared."""
     c = exported.io.config
     session_options = {"log_id": "onnxruntime-genai", "provider_options": []}
     if custom_ops_library:
@@ -160,7 +162,7 @@ def genai_config(exported: ExportedModel, custom_ops_library: Optional[str]) -> 
             },
         },
         "search": {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": c.n_positions,
-                   "min_length": 0, "past_present_share_buffer": False, "early_stopping": True,
+                   "min_length": 0, "past_present_share_buffer": exported.io.shares_cache, "early_stopping": True,
                    "length_penalty": 1.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
                    "temperature": 1.0, "top_k": 1, "top_p": 1.0, "diversity_penalty": 0.0},
     }

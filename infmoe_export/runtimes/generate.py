@@ -1,7 +1,9 @@
 """Text generation with any runner of the registry (TorchRunner, OrtRunner, TrtRunner): each
 has the exported model's DecoderIO as .io.
 
-Prefill runs the prompt once; every next step feeds one token with present -> past. Tokens
+Prefill runs the prompt once; every next step feeds one token with present -> past, or, when
+the runner offers a shared cache (OrtRunner on a model exported for the onnxruntime target),
+appends it to that cache in place: no step copies the past. Tokens
 are bytes (SPEC §2): only ids 0..255 are sampled, and the text is streamed through an
 incremental UTF-8 decoder, so a character split over tokens prints when it is complete.
 """
@@ -30,19 +32,25 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
     ids, new, past, step_ids = list(prompt_ids), [], None, list(prompt_ids)
     present_names = [name.replace("past_key_values", "present") for name in decoder_io.past_names]
     with contextlib.nullcontext() if runner.is_active else runner:
+        shared = getattr(runner, "shared_cache", None)
+        cache = shared(1) if shared is not None else None
         while len(new) < max_new_tokens and len(ids) < limit:
             noise = None
             if decoder_io.noise == "sampled":
                 noise = torch.randn(1, len(step_ids), decoder_io.k, generator=generator).numpy()
-            feed = decoder_io.feed(np.array([step_ids]), np.ones((1, len(ids)), np.int64), past, noise)
-            outputs = runner.infer(feed, check_inputs=False)
+            if cache is not None:
+                outputs = cache.step(np.array([step_ids]), noise)
+            else:
+                feed = decoder_io.feed(np.array([step_ids]), np.ones((1, len(ids)), np.int64), past, noise)
+                outputs = runner.infer(feed, check_inputs=False)
             token = _pick(outputs["logits"][0, -1, :BYTE_VOCAB], greedy, temperature, top_k, generator)
             ids.append(token)
             new.append(token)
             if on_token is not None:
                 on_token(token)
             if decoder_io.past:
-                past, step_ids = [outputs[name] for name in present_names], [token]
+                past = None if cache is not None else [outputs[name] for name in present_names]
+                step_ids = [token]
             else:  # no cache: run the whole sequence again
                 step_ids = list(ids)
     return new

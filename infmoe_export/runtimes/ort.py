@@ -5,11 +5,17 @@ A registered kernel takes precedence over the model's local function: onnxruntim
 local function only for a node that no registered kernel claims (tests/test_runtimes.py checks
 this by profiling). Without the kernel, or with kernel=False, the node runs as the fallback
 function made of standard ops.
+
+A model exported for the onnxruntime target (DecoderIO.shares_cache) runs generation on a
+SharedCache: one past/present buffer of n_positions per layer, bound with IOBinding as both the
+past input and the present output, which GroupQueryAttention appends to in place, so a decode
+step neither allocates nor copies the cache (docs/design.md, Runners).
 """
 
 import os
-from typing import Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
+import numpy as np
 import onnxruntime as ort
 from polygraphy.backend.onnxrt import OnnxrtRunner
 
@@ -61,3 +67,68 @@ class OrtRunner(OnnxrtRunner):
         super().__init__(lambda: create_session(model, kernel, providers, intra_op_threads), name=name)
         self.path = model.path
         self.io = decoder_io
+
+    def shared_cache(self, batch: int = 1) -> Optional["SharedCache"]:
+        """A SharedCache for a generation on the active session, or None when the model cannot
+        share its cache (portable graphs) or the session does not run on the CPU."""
+        if not self.io.shares_cache or self.sess.get_providers()[0] != "CPUExecutionProvider":
+            return None
+        return SharedCache(self.sess, self.io, batch)
+
+
+class SharedCache:
+    """The KV cache of one generation, preallocated once: per layer a key and a value buffer of
+    [batch, n_head, n_positions, head_dim], bound as past_key_values.{i}.* and present.{i}.*
+    alike, so the session writes each step's keys and values into it and copies nothing. The
+    logits of each step land in a buffer bound once per shape. CPU sessions only (the buffers
+    live in host memory)."""
+
+    def __init__(self, session: ort.InferenceSession, decoder_io: DecoderIO, batch: int = 1):
+        if not decoder_io.shares_cache:
+            raise InfMoEError("a shared KV cache needs a model exported with --target onnxruntime (and a cache)")
+        c = decoder_io.config
+        self.io, self.batch, self.length = decoder_io, batch, 0
+        shape = (batch, c.n_head, c.n_positions, c.head_dim)
+        # Zeroed, not left uninitialised: the positions past the current length are never read,
+        # but a buffer that could hold NaN would make any mistake there silent.
+        self._arrays = [np.zeros(shape, np.float32) for _ in decoder_io.past_names]
+        self._past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._arrays]
+        self._binding = session.io_binding()
+        self._session = session
+        for past, value in zip(decoder_io.past_names, self._past):
+            self._binding.bind_ortvalue_output(past.replace("past_key_values", "present"), value)
+        self._logits: Dict[tuple, np.ndarray] = {}
+        self._others = [n for n in decoder_io.output_names if n != "logits" and not n.startswith("present.")]
+
+    def step(self, input_ids, expert_noise=None, attention_mask=None) -> Dict[str, np.ndarray]:
+        """Run input_ids [batch, sequence] after the cached tokens; attention_mask covers cached +
+        new tokens (default: all ones). Returns logits (a buffer reused by the next step of the
+        same shape: copy what must outlive it) and any expert_starts.{i}."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        batch, sequence = input_ids.shape
+        total = self.length + sequence
+        if batch != self.batch:
+            raise InfMoEError(f"this cache holds a batch of {self.batch}, got input_ids of batch {batch}")
+        if total > self.io.config.n_positions:
+            raise InfMoEError(f"{total} tokens do not fit the cache of n_positions = {self.io.config.n_positions}")
+        if attention_mask is None:
+            attention_mask = np.ones((batch, total), np.int64)
+        feed = self.io.feed(input_ids, attention_mask, self._past, expert_noise)
+        for name, value in feed.items():
+            if isinstance(value, ort.OrtValue):
+                self._binding.bind_ortvalue_input(name, value)
+            else:
+                self._binding.bind_cpu_input(name, value)
+        shape = (batch, sequence, self.io.config.vocab_size)
+        if shape not in self._logits:
+            self._logits[shape] = np.empty(shape, np.float32)
+        self._binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self._logits[shape]))
+        for name in self._others:
+            self._binding.bind_output(name)
+        self._session.run_with_iobinding(self._binding)
+        self.length = total
+        outputs = {"logits": self._logits[shape]}
+        if self._others:
+            bound = self._binding.get_outputs()
+            outputs.update(zip(self._others, (v.numpy() for v in bound[len(bound) - len(self._others):])))
+        return outputs

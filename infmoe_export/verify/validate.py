@@ -176,7 +176,8 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
             expected = reference.infer(feed, check_inputs=False)
             _compare(report, step, decoder_io, expected, actual, starts, feed["attention_mask"])
             if starts:
-                counts.append(_check_starts(report, step, decoder_io, expected, starts, positions))
+                counts.append(_check_starts(report, step, decoder_io, expected, starts, positions,
+                                            feed["attention_mask"]))
             return expected
 
         with reference:
@@ -207,17 +208,21 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     return report
 
 
-def _check_starts(report: ValidationReport, step: str, decoder_io: DecoderIO, expected, starts, positions) -> tuple:
-    """Count equal starts; judge each row's first diverging layer (see module doc).
-    Returns (equal starts, all starts)."""
+def _check_starts(report: ValidationReport, step: str, decoder_io: DecoderIO, expected, starts, positions,
+                  attention_mask: np.ndarray) -> tuple:
+    """Count equal starts of real tokens; judge each row's first diverging layer (see module doc).
+    A padded token is garbage by construction (its keys are all masked; the onnxruntime target's
+    fused attention computes other garbage than the reference) and is not counted. Returns
+    (equal starts, all starts)."""
     c = decoder_io.config
     windows = c.ffn_hidden - c.slice_width + 1
     margin = BOUNDARY_TOLERANCE[decoder_io.dtype] * windows
     diverged = np.zeros(starts[0].shape[0], dtype=bool)  # per batch row
+    real = np.broadcast_to(attention_mask[:, -starts[0].shape[1]:, None].astype(bool), starts[0].shape)
     same = total = 0
     for layer, actual in enumerate(starts):
-        differ = expected[f"expert_starts.{layer}"] != actual
-        same, total = same + int((~differ).sum()), total + differ.size
+        differ = (expected[f"expert_starts.{layer}"] != actual) & real
+        same, total = same + int((~differ & real).sum()), total + int(real.sum())
         first = differ & ~diverged[:, None, None]
         if first.any():
             chosen = actual[first].astype(np.float64)

@@ -1,0 +1,224 @@
+"""Issue 16's benchmark: a decode step against its roofline, per export target.
+
+    .venv/bin/python benchmarks/bench_decode.py [--k 1,2,8] [--threads 2,1] [--json runs/bench_decode.json]
+
+GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the compiled kernel,
+batch 1, for the portable graph (standard ops, present = Concat(past, new): what Optimum runs)
+and the onnxruntime target (GroupQueryAttention on a cache of n_positions shared in place,
+runtimes/ort.py SharedCache, what `run` uses). Per K and thread count:
+
+- decode ms/token at past 128 and 512 (and 1, 1000 for K 2: decode vs past length), each timed
+  step a token at exactly that past (the shared cache's length is set back before each step);
+- the roofline: bytes the step must read (bench_ort.decode_bytes: weights it touches, the union
+  of the windows, the KV cache) over the read bandwidth of onnxruntime's own MatMul on a 256 MiB
+  weight (batch 1, far larger than the caches), measured with the same threads, interleaved
+  with the decode samples (one bandwidth sample before each decode sample);
+- the fixed cost of a step: the same graph (12 layers, 12 heads) with tiny weights;
+- node counts of both targets, as exported and after onnxruntime's optimizations (the saved
+  optimized model), with what remains.
+
+The machine is shared: every figure is a median over rounds that interleave what is compared.
+"""
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort beside this file, however it is loaded
+from bench_ort import SMALL, decode_bytes  # noqa: E402
+from infmoe_export.export import export_onnx  # noqa: E402
+from infmoe_export.files import atomic_write  # noqa: E402
+from infmoe_export.model import InfMoEConfig, InfMoEGPT  # noqa: E402
+from infmoe_export.report.bench import text_tokens  # noqa: E402
+from infmoe_export.report.timing import environment, time_calls  # noqa: E402
+from infmoe_export.runtimes.ort import SharedCache, create_session  # noqa: E402
+from infmoe_export.runtimes.ort_kernel import custom_op_library, register  # noqa: E402
+
+# The fixed cost of a step: SMALL's 12 layers and 12 heads (head_dim 8) with tiny weights.
+TINY_WEIGHTS = InfMoEConfig(vocab_size=256, n_positions=1024, d_model=96, n_layer=12, n_head=12, ffn_hidden=96,
+                            slice_width=24, num_samples=2)
+PASTS, SWEEP, SWEEP_K = (128, 512), (1, 128, 512, 1000), 2
+TARGETS = ("portable", "onnxruntime")
+GOALS = {"over_roofline_past128_2threads": 1.10, "over_roofline_past512_2threads": 1.15,
+         "over_roofline_1thread": 1.25, "fixed_cost_ms": 0.3}
+BANDWIDTH_ROWS, BANDWIDTH_COLS = 4096, 16384  # a 256 MiB float32 weight
+
+
+class MatMulBandwidth:
+    """Read GB/s of onnxruntime's MatMul: x [1, rows] @ W [rows, cols], W an initializer."""
+
+    def __init__(self, threads: int):
+        weight = np.random.default_rng(0).standard_normal((BANDWIDTH_ROWS, BANDWIDTH_COLS), dtype=np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "bandwidth",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, BANDWIDTH_ROWS])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, BANDWIDTH_COLS])],
+            [numpy_helper.from_array(weight, "w")])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        self.feed = {"x": np.ones((1, BANDWIDTH_ROWS), np.float32)}
+        self.bytes = weight.nbytes
+
+    def sample(self, repeats: int = 3) -> float:
+        seconds = time_calls(lambda: self.session.run(None, self.feed), 1, repeats)
+        return self.bytes / median(seconds) / 1e9
+
+
+class Decoder:
+    """One exported model in one session: step(past)() times one decode token at that past."""
+
+    def __init__(self, exported, threads: int):
+        self.io = exported.io
+        self.session = create_session(exported, kernel=True, providers=["CPUExecutionProvider"],
+                                      intra_op_threads=threads)
+        self.steps = {}
+
+    def prepare(self, past: int):
+        tokens = text_tokens(past + 1)[None]
+        if self.io.shares_cache:
+            cache = SharedCache(self.session, self.io)
+            cache.step(tokens[:, :past])
+
+            def step():
+                cache.length = past  # the same position each time: a step at exactly `past`
+                cache.step(tokens[:, past:])
+        else:
+            present = self.session.run(None, self.io.feed(tokens[:, :past], np.ones((1, past), np.int64)))
+            cache = dict(zip([o.name for o in self.session.get_outputs()], present))
+            feed = self.io.feed(tokens[:, past:], np.ones((1, past + 1), np.int64),
+                                [cache[n.replace("past_key_values", "present")] for n in self.io.past_names])
+
+            def step():
+                self.session.run(None, feed)
+        self.steps[past] = step
+
+    def sample(self, past: int, steps: int) -> float:
+        """Median ms of `steps` decode steps (after one untimed)."""
+        return median(time_calls(self.steps[past], 1, steps)) * 1e3
+
+
+def node_counts(path: Path) -> dict:
+    """Nodes as exported and after onnxruntime's optimizations (ORT_ENABLE_ALL, kernel registered)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(path.with_suffix(".optimized.onnx"))
+    register(options)
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    exported = onnx.load(str(path), load_external_data=False).graph.node
+    optimized = onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node
+    return {"exported": len(exported), "optimized": len(optimized),
+            "optimized_ops": dict(collections.Counter(n.op_type for n in optimized).most_common())}
+
+
+def run_rounds(decoders, bandwidth, pasts, rounds, steps):
+    """Interleaved: per round, per (target, past), one bandwidth sample then one decode sample."""
+    samples = collections.defaultdict(list)
+    gbs = []
+    for _ in range(rounds):
+        for target, decoder in decoders.items():
+            for past in pasts:
+                gbs.append(bandwidth.sample())
+                samples[(target, past)].append(decoder.sample(past, steps))
+    return {key: median(values) for key, values in samples.items()}, median(gbs)
+
+
+def fixed_cost(scratch: Path, threads_list, rounds: int, steps: int) -> dict:
+    model = InfMoEGPT(TINY_WEIGHTS).eval()
+    exported = {t: export_onnx(model, scratch / f"tiny_{t}.onnx", k=2, target=t) for t in TARGETS}
+    result = {"nodes": {t: node_counts(e.path) for t, e in exported.items()}}
+    for threads in threads_list:
+        decoders = {t: Decoder(e, threads) for t, e in exported.items()}
+        for decoder in decoders.values():
+            decoder.prepare(PASTS[0])
+        samples = collections.defaultdict(list)
+        for _ in range(rounds):
+            for target, decoder in decoders.items():
+                samples[target].append(decoder.sample(PASTS[0], steps))
+        result[f"{threads}_threads_ms"] = {t: median(v) for t, v in samples.items()}
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", default="1,2,8", help="expert budgets, comma-separated")
+    parser.add_argument("--threads", default="2,1", help="intra-op thread counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps per sample")
+    parser.add_argument("--json", default="runs/bench_decode.json", help="where to write the results")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.k.split(",")]
+    threads_list = [int(t) for t in args.threads.split(",")]
+    if custom_op_library() is None:
+        sys.exit("bench_decode: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+    torch.manual_seed(0)
+    result = {"environment": environment(), "goals": GOALS, "config": SMALL.to_dict(),
+              "options": vars(args), "decode": []}
+
+    def write():
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, json.dumps(result, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as scratch:
+        scratch = Path(scratch)
+        result["fixed_cost"] = fixed_cost(scratch, threads_list, args.rounds, 3 * args.steps)
+        print_fixed_cost(result["fixed_cost"])
+        write()
+        small = InfMoEGPT(SMALL).eval()
+        for k in ks:
+            pasts = SWEEP if k == SWEEP_K else PASTS
+            exported = {t: export_onnx(small, scratch / f"small_{t}.onnx", k=k, target=t) for t in TARGETS}
+            active = {past: decode_bytes(small, k, past) for past in pasts}
+            for threads in threads_list:
+                bandwidth = MatMulBandwidth(threads)
+                decoders = {t: Decoder(e, threads) for t, e in exported.items()}
+                for decoder in decoders.values():
+                    for past in pasts:
+                        decoder.prepare(past)
+                measured, gbs = run_rounds(decoders, bandwidth, pasts, args.rounds, args.steps)
+                del decoders, bandwidth
+                for past in pasts:
+                    roofline = active[past] / (gbs * 1e9) * 1e3
+                    row = {"k": k, "threads": threads, "past": past, "read_gbs": gbs, "bytes": active[past],
+                           "roofline_ms": roofline,
+                           "decode_ms": {t: measured[(t, past)] for t in TARGETS},
+                           "over_roofline": {t: measured[(t, past)] / roofline for t in TARGETS}}
+                    result["decode"].append(row)
+                    print_row(row)
+                write()
+            for e in exported.values():
+                e.path.unlink()
+    print(f"results: {args.json}")
+
+
+def print_fixed_cost(fixed):
+    for target, counts in fixed["nodes"].items():
+        print(f"{target}: {counts['exported']} nodes exported, {counts['optimized']} after optimization: "
+              f"{counts['optimized_ops']}")
+    for key, value in fixed.items():
+        if key.endswith("_ms"):
+            print(f"tiny weights, {key.replace('_', ' ')[:-3]}: " +
+                  ", ".join(f"{t} {ms:.3f} ms" for t, ms in value.items()))
+
+
+def print_row(row):
+    d, r = row["decode_ms"], row["over_roofline"]
+    print(f"K={row['k']} threads={row['threads']} past={row['past']}: roofline {row['roofline_ms']:.2f} ms "
+          f"({row['bytes'] / 1e6:.0f} MB at {row['read_gbs']:.1f} GB/s); " +
+          ", ".join(f"{t} {d[t]:.2f} ms ({r[t]:.3f}x)" for t in TARGETS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The onnxruntime target (`infmoe-export onnx --target onnxruntime`): the same model traced
+through onnxruntime's fused contrib ops instead of standard ones (docs/export.md, Targets).
+
+A traced variant, not a rewrite of the portable graph: `OrtDecoder` runs the reference model's
+own modules (embeddings, LayerNorm weights, the Linear layers, the routers and the exporter's
+expert op, `window_starts` included) but writes each layer as
+
+    qkv      = MatMul + Add                                           (one per layer)
+    attn, present.i.key, present.i.value =
+               com.microsoft GroupQueryAttention(qkv packed, past.i.key, past.i.value,
+                                                 seqlens_k, total_sequence_length, attention_bias)
+    ln_2, h  = com.microsoft SkipLayerNormalization(attn @ proj, x, ln_2, bias = proj.bias)
+    router   = MatMul + Add (mu and sigma as one [D, 2] matrix, h.{i}.moe.router.weight) + Split,
+               Softplus, Mul, Add, then window_starts as everywhere (Sigmoid, Mul, Floor, Clip, Cast)
+    expert   = infmoe::ContinuousSliceFFN
+    ln_1', x = SkipLayerNormalization(expert, h, next layer's ln_1 (ln_f after the last))
+
+GroupQueryAttention appends the new keys and values to the cache itself: with past and present
+bound to one buffer of n_positions (runtimes/ort.py `SharedCache`, onnxruntime-genai's
+`past_present_share_buffer`) it writes them in place, and nothing is copied; with a past of
+exactly past_sequence positions it returns a new present of past + sequence, like the portable
+graph (Optimum, validation). Its causal mask is its own; left padding is an additive
+attention_bias from attention_mask, and seqlens_k (= total - 1 for every row: the pads hold
+positions in the cache) and total_sequence_length are computed in the graph from
+attention_mask's length, as onnxruntime-genai's builder does, so a client feeds Optimum's
+inputs only.
+"""
+
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..contract import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, DecoderIO
+from ..errors import InfMoEError
+
+MS_DOMAIN = "com.microsoft"
+# onnxruntime's GroupQueryAttention kernels refuse other head sizes at run time.
+HEAD_DIM_MULTIPLE = 8
+
+
+def fits_onnxruntime(config) -> bool:
+    """Whether the onnxruntime target can be exported for this config."""
+    return config.head_dim % HEAD_DIM_MULTIPLE == 0
+
+
+def _skip_layer_norm(x, skip, norm: nn.LayerNorm, bias=None):
+    """(LayerNorm(x + skip + bias), x + skip + bias): onnxruntime's SkipLayerNormalization."""
+    inputs = (x, skip, norm.weight, norm.bias) + ((bias,) if bias is not None else ())
+    shape = x.shape
+    out, _mean, _inv_std, total = torch.onnx.ops.symbolic_multi_out(
+        f"{MS_DOMAIN}::SkipLayerNormalization", inputs, dict(epsilon=float(norm.eps)),
+        dtypes=(x.dtype,) * 4, shapes=(shape, [*shape[:-1], 1], [*shape[:-1], 1], shape), version=1)
+    return out, total
+
+
+class _FusedRouter(nn.Module):
+    """The router (model.Router) with mu and sigma in one [2, D] weight, and ONNX's Softplus
+    instead of torch's (whose threshold at 20 exports as Greater + Where): onnxruntime's
+    Softplus is computed stably (x + log1p(exp(-x)) for x > 0), equal to torch's in float32."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.weight = nn.Parameter(torch.cat([router.mu.weight, router.sigma.weight]).detach())
+        self.bias = nn.Parameter(torch.cat([router.mu.bias, router.sigma.bias]).detach())
+
+    def forward(self, x, eps):
+        mu, sigma = F.linear(x, self.weight, self.bias).split(1, dim=-1)
+        softplus = torch.onnx.ops.symbolic("Softplus", (sigma,), dtype=sigma.dtype, shape=sigma.shape)
+        return mu + softplus * eps
+
+
+class OrtDecoder(nn.Module):
+    """The exporter's module (its model with the expert op, DecoderIO and quantile noise) with
+    the forward of the onnxruntime target; same inputs and outputs."""
+
+    def __init__(self, export_module: nn.Module):
+        super().__init__()
+        self.io: DecoderIO = export_module.io
+        if not fits_onnxruntime(self.io.config):
+            raise InfMoEError(f"the onnxruntime target needs head_dim (d_model / n_head) a multiple of "
+                              f"{HEAD_DIM_MULTIPLE} for GroupQueryAttention, got {self.io.config.head_dim}: "
+                              "export with --target portable")
+        self.model = export_module.model
+        for block in self.model.h:  # the exporter's copy of the model
+            moe = block.moe.moe
+            moe.router = _FusedRouter(moe.router)
+        if hasattr(export_module, "quantile_eps"):
+            self.register_buffer("quantile_eps", export_module.quantile_eps, persistent=False)
+
+    def forward(self, *inputs):
+        io, model = self.io, self.model
+        c = model.config
+        named = dict(zip(io.input_names, inputs))
+        input_ids, mask = named["input_ids"], named["attention_mask"]
+        batch, sequence = input_ids.shape
+        total = mask.shape[1]
+        eps = named.get("expert_noise")
+        if eps is None:  # [K], broadcast by the router
+            eps = self.quantile_eps
+
+        # Positions count real tokens only (model.py); the last `sequence` columns of the mask.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, total - sequence:]
+        # GroupQueryAttention's inputs: every row holds `total` positions in the cache (pads too,
+        # masked below), so seqlens_k = total - 1 for each row.
+        seqlens_k = torch.full((batch,), total - 1, dtype=torch.int32)
+        total_length = torch.full((), total, dtype=torch.int32)
+        minimum = torch.finfo(torch.float32).min
+        attention_bias = ((1 - mask).to(torch.float32) * minimum)[:, None, None, :].expand(batch, 1, sequence, total)
+
+        x = model.wte(input_ids) + model.wpe(positions)
+        a = F.layer_norm(x, (c.d_model,), model.h[0].ln_1.weight, model.h[0].ln_1.bias, c.layer_norm_eps)
+        presents, all_starts = [], []
+        past_names = io.past_names
+        for i, block in enumerate(model.h):
+            attn = block.attn
+            qkv = attn.qkv(a)
+            past = [named[name] for name in past_names[2 * i:2 * i + 2]] if io.past else [None, None]
+            past_length = past[0].shape[2] if io.past else 0
+            kv_shape = [batch, c.n_head, past_length + sequence, c.head_dim]
+            y, key, value = torch.onnx.ops.symbolic_multi_out(
+                f"{MS_DOMAIN}::GroupQueryAttention",
+                (qkv, None, None, past[0], past[1], seqlens_k, total_length, None, None, None, attention_bias),
+                dict(num_heads=c.n_head, kv_num_heads=c.n_head),
+                dtypes=(qkv.dtype,) * 3, shapes=([batch, sequence, c.d_model], kv_shape, kv_shape), version=1)
+            presents += [key, value]
+            ln_2, h = _skip_layer_norm(F.linear(y, attn.proj.weight), x, block.ln_2, attn.proj.bias)
+            out, starts = block.moe(ln_2, eps)
+            all_starts.append(starts)
+            norm = model.h[i + 1].ln_1 if i + 1 < len(model.h) else model.ln_f
+            a, x = _skip_layer_norm(out, h, norm)
+        outputs = [F.linear(a, model.wte.weight)]  # tied embeddings
+        if io.past:
+            outputs += presents
+        if io.with_starts:
+            outputs += all_starts
+        return tuple(outputs)
+
+
+def finish_ort_graph(graph: ir.Graph):
+    """Name GroupQueryAttention's two length inputs as the contract does (one value each, shared
+    by every layer), and the nodes written here after their module, as the exporter names the
+    others: '/h.0.attn/GroupQueryAttention' (from its present output), '/h.0.ln_2/
+    SkipLayerNormalization', '/h.0.attn.proj/MatMul' (from their first weight), the router's Split
+    after the node before it."""
+    used = {node.name for node in graph}
+    lengths_named = False
+
+    def rename(node, base):
+        name, n = base, 0
+        while name in used:
+            n += 1
+            name = f"{base}_{n}"
+        used.discard(node.name)
+        node.name = name
+        used.add(name)
+
+    for node in graph:
+        if node.domain == MS_DOMAIN and node.op_type == "GroupQueryAttention":
+            if not lengths_named:
+                node.inputs[5].name, node.inputs[6].name = SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+                lengths_named = True
+            layer = node.outputs[1].name.split(".")[1]  # present.{i}.key
+            rename(node, f"/h.{layer}.attn/{node.op_type}")
+        elif node.name.startswith("/h.") or node.name.startswith("/wte") or node.name.startswith("/wpe"):
+            continue
+        elif node.op_type == "Split" and node.inputs[0].producer() is not None:
+            rename(node, node.inputs[0].producer().name.rsplit("/", 1)[0] + "/Split")
+        else:
+            weights = [v.name for v in node.inputs if v is not None and v.is_initializer() and "." in v.name]
+            if weights:
+                module = weights[0].removesuffix(".T").rsplit(".", 1)[0]
+                rename(node, f"/{module}/{node.op_type}")

@@ -1,0 +1,231 @@
+"""Export targets (docs/export.md, Targets): each target's export against the PyTorch reference
+(validate_onnx: a left-padded batch-2 prefill, then a decode step), the onnxruntime target's
+graph, the shared-buffer runner against the plain one, and the clients on the onnxruntime
+target (Optimum, onnxruntime-genai with past_present_share_buffer, Polygraphy)."""
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from infmoe_export.contract import TARGETS, ExportedModel  # noqa: E402
+from infmoe_export.errors import InfMoEError  # noqa: E402
+from infmoe_export.export import export_onnx  # noqa: E402
+from infmoe_export.export.hf_folder import write_hf_folder  # noqa: E402
+from infmoe_export.model import InfMoEConfig  # noqa: E402
+from infmoe_export.runtimes.generate import generate  # noqa: E402
+from infmoe_export.runtimes.ort import OrtRunner, SharedCache  # noqa: E402
+from infmoe_export.verify.validate import validate_onnx  # noqa: E402
+
+from conftest import TINY, random_model  # noqa: E402
+
+# head_dim 8: GroupQueryAttention's smallest; V 256 for the clients' byte tokenizer.
+CONFIG = InfMoEConfig(**{**TINY, "d_model": 16, "n_head": 2, "vocab_size": 256, "n_positions": 32})
+PROMPTS = [b"def f(x):", b"import"]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CONFIG, seed=5)
+
+
+@pytest.fixture(scope="module")
+def exports(model, tmp_path_factory):
+    """One model per target (quantile noise, K 2, with past), each in an exported folder."""
+    out = {}
+    for target in TARGETS:
+        folder = tmp_path_factory.mktemp(target)
+        out[target] = export_onnx(model, folder / "model.onnx", k=2, target=target)
+        write_hf_folder(folder, out[target])
+    return out
+
+
+def _ops(path):
+    graph = onnx.load(str(path)).graph
+    return collections.Counter((node.domain or "", node.op_type) for node in graph.node)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_target_matches_the_reference(model, exports, target):
+    exported = exports[target]
+    assert exported.io.target == target and exported.metadata["infmoe.target"] == target
+    assert ExportedModel.read(exported.path).io == exported.io
+    report = validate_onnx(model, exported, kernel=False)  # raises on failure
+    assert report.start_agreement > 0.9
+    ops = _ops(exported.path)
+    if target == "onnxruntime":
+        assert ops[("com.microsoft", "GroupQueryAttention")] == CONFIG.n_layer
+        assert ops[("com.microsoft", "SkipLayerNormalization")] == 2 * CONFIG.n_layer
+        assert not {op for _, op in ops} & {"Transpose", "Softmax", "Where"}
+        assert ops[("", "Concat")] + ops[("", "Reshape")] <= 2  # position and mask handling, once
+    else:  # standard ops and the expert op only: today's graph
+        assert {domain for domain, _ in ops} == {"", "infmoe"}
+        assert ops[("", "Concat")] >= 2 * CONFIG.n_layer  # the cache, concatenated each step
+
+
+def test_sampled_noise_and_starts_on_the_onnxruntime_target(model, tmp_path):
+    exported = export_onnx(model, tmp_path / "m.onnx", k=3, noise="sampled", with_starts=True, target="onnxruntime")
+    validate_onnx(model, exported, kernel=False)
+
+
+def test_files_without_a_target_are_portable(exports, tmp_path):
+    graph = onnx.load(str(exports["portable"].path))
+    kept = [p for p in graph.metadata_props if p.key != "infmoe.target"]
+    del graph.metadata_props[:]
+    graph.metadata_props.extend(kept)
+    onnx.save(graph, str(tmp_path / "old.onnx"))
+    assert ExportedModel.read(tmp_path / "old.onnx").io.target == "portable"
+
+
+def test_bad_targets_are_refused(model, tmp_path, run_cli):
+    with pytest.raises(InfMoEError, match="target must be one of"):
+        export_onnx(model, tmp_path / "m.onnx", target="tvm")
+    odd = random_model(InfMoEConfig(**TINY))  # head_dim 5
+    with pytest.raises(InfMoEError, match="head_dim .* multiple of 8.*--target portable"):
+        export_onnx(odd, tmp_path / "m.onnx", target="onnxruntime")
+    code, _, err = run_cli("onnx", "--out", tmp_path / "x.onnx", "--target", "tvm")
+    assert code == 2 and "tvm" in err
+
+
+def test_cli_exports_the_onnxruntime_target(tmp_path, run_cli):
+    code, _, err = run_cli("onnx", "--out", tmp_path / "m.onnx", "--target", "onnxruntime", "--k", "1")
+    assert code == 0, err
+    assert ExportedModel.read(tmp_path / "m.onnx").io.target == "onnxruntime"
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared buffer
+
+
+def _plain_steps(runner, ids, mask, steps):
+    """Prefill ids [B, T] with mask, then `steps` greedy tokens, present -> past; the logits."""
+    io, past, out = runner.io, None, []
+    for _ in range(steps + 1):
+        outputs = runner.infer(io.feed(ids, mask, past), check_inputs=False)
+        out.append(outputs["logits"])
+        past = [outputs[n.replace("past_key_values", "present")] for n in io.past_names]
+        ids = outputs["logits"][:, -1:, :256].argmax(-1)
+        mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], axis=1)
+    return out
+
+
+def _shared_steps(cache, ids, mask, steps):
+    out = []
+    for _ in range(steps + 1):
+        logits = cache.step(ids, attention_mask=mask)["logits"].copy()
+        out.append(logits)
+        ids = logits[:, -1:, :256].argmax(-1)
+        mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], axis=1)
+    return out
+
+
+def test_shared_buffer_runner_matches_the_plain_one(exports):
+    """A left-padded batch of 2 on the shared buffer gives the plain runner's logits (same
+    model, past and present as separate arrays), and the cache holds the plain presents."""
+    exported = exports["onnxruntime"]
+    ids = np.array([[0, 0, 0, *b"def"], list(b"import")])
+    mask = (np.arange(6) >= np.array([[3], [0]])).astype(np.int64)
+    with OrtRunner(exported.io, exported, kernel=False) as runner:
+        plain = _plain_steps(runner, ids, mask, 4)
+        cache = runner.shared_cache(batch=2)
+        buffer = cache._arrays[0]
+        shared = _shared_steps(cache, ids, mask, 4)
+        assert cache.length == 6 + 4 and cache._arrays[0] is buffer
+        final = runner.infer(exported.io.feed(ids, mask), check_inputs=False)["present.0.key"]
+    for a, b in zip(plain, shared):
+        real = np.broadcast_to(np.array([[False], [True]]), a.shape[:2]) if a.shape[1] > 1 else np.ones(a.shape[:2], bool)
+        np.testing.assert_allclose(a[real], b[real], atol=1e-5)
+    np.testing.assert_allclose(buffer[1, :, :6], final[1], atol=1e-6)  # the prompt's keys, in place
+    assert not buffer[:, :, 10:].any()  # nothing written past the cached length
+
+
+def test_generation_on_the_shared_buffer(exports):
+    """`run` (generate over OrtRunner) uses the shared buffer on the onnxruntime target and gives
+    the tokens of the portable export and of the plain loop."""
+    on_ort, portable = exports["onnxruntime"], exports["portable"]
+    with OrtRunner(on_ort.io, on_ort, kernel=False) as runner:
+        assert isinstance(runner.shared_cache(), SharedCache)
+        shared = [generate(runner, list(p), NEW) for p in PROMPTS]
+        runner.shared_cache = lambda batch=1: None  # the plain loop, past and present as arrays
+        plain = [generate(runner, list(p), NEW) for p in PROMPTS]
+    with OrtRunner(portable.io, portable, kernel=False) as runner:
+        assert runner.shared_cache() is None
+        reference = [generate(runner, list(p), NEW) for p in PROMPTS]
+    assert shared == plain == reference
+
+
+def test_shared_cache_bad_input(exports):
+    with OrtRunner(exports["onnxruntime"].io, exports["onnxruntime"], kernel=False) as runner:
+        cache = runner.shared_cache()
+        with pytest.raises(InfMoEError, match="batch of 1"):
+            cache.step(np.zeros((2, 3), np.int64))
+        with pytest.raises(InfMoEError, match="do not fit the cache of n_positions = 32"):
+            cache.step(np.zeros((1, 33), np.int64))
+    with OrtRunner(exports["portable"].io, exports["portable"], kernel=False) as runner:
+        with pytest.raises(InfMoEError, match="--target onnxruntime"):
+            SharedCache(runner.sess, runner.io)
+
+
+# ---------------------------------------------------------------------------------------------
+# Clients on the onnxruntime target
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(exports):
+    exported = exports["portable"]
+    with OrtRunner(exported.io, exported, kernel=False) as runner:
+        return [generate(runner, list(p), NEW) for p in PROMPTS]
+
+
+def test_genai_with_the_shared_buffer(exports, reference_tokens):
+    og = pytest.importorskip("onnxruntime_genai")
+    folder = exports["onnxruntime"].path.parent
+    search = json.loads((folder / "genai_config.json").read_text())["search"]
+    assert search["past_present_share_buffer"] is True
+    portable = json.loads((exports["portable"].path.parent / "genai_config.json").read_text())["search"]
+    assert portable["past_present_share_buffer"] is False
+    tokens = []
+    for prompt in PROMPTS:
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + NEW, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([list(prompt)])
+        while not generator.is_done():
+            generator.generate_next_token()
+        tokens.append([int(t) for t in generator.get_sequence(0)][len(prompt):])
+    assert tokens == reference_tokens
+
+
+def test_optimum_on_the_onnxruntime_target(exports, reference_tokens):
+    optimum_ort = pytest.importorskip("optimum.onnxruntime")
+    transformers = pytest.importorskip("transformers")
+    folder = exports["onnxruntime"].path.parent
+    model = optimum_ort.ORTModelForCausalLM.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    single = [model.generate(**tokenizer(p.decode(), return_tensors="pt"), max_new_tokens=NEW)[0, len(p):].tolist()
+              for p in PROMPTS]
+    batch = tokenizer([p.decode() for p in PROMPTS], return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1].tolist()[:3] == [0, 0, 0]  # really left-padded
+    padded = model.generate(**batch, max_new_tokens=NEW)[:, batch["input_ids"].shape[1]:].tolist()
+    assert single == reference_tokens and padded == reference_tokens
+
+
+def test_polygraphy_on_the_onnxruntime_target(exports, run_cli):
+    folder = exports["onnxruntime"].path.parent
+    code, out, _ = run_cli("inspect", folder)
+    assert code == 0, out
+    command = next(line for line in out.splitlines() if line.startswith("polygraphy: ")).split(": ", 1)[1]
+    polygraphy = shutil.which("polygraphy", path=os.path.dirname(sys.executable))
+    result = subprocess.run([polygraphy, *command.split()[1:]], capture_output=True, text=True)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
