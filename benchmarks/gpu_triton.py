@@ -1,17 +1,25 @@
-"""The Triton ContinuousSliceFFN kernel on a GPU: correctness, then batch-1 decode bandwidth.
+"""The Triton ContinuousSliceFFN / QContinuousSliceFFN kernels on a GPU: correctness, then batch-1
+decode bandwidth, per precision of the expert weights.
 
     .venv/bin/python benchmarks/gpu_triton.py            # on a machine with a CUDA GPU
     .venv/bin/python benchmarks/gpu_triton.py --interpret --tiny   # logic smoke test on a CPU
+    .venv/bin/python benchmarks/gpu_triton.py --weights int4 --block-size 64   # one precision
 
-1. Checks the kernel (both modes) against the reference op on the GPU, float32 and float16, and
-   that the driver loads the PTX the TensorRT AOT plugin bakes into engines (infmoe_trt.compile:
-   this GPU's capability, the PTX ISA version of this driver).
+Weights: float (the activations' type), int8 or int4 (SPEC §6, blocks of --block-size; scales in
+the activations' type), each with float32 and float16 activations.
+
+1. Checks each kernel (both modes) against the reference op on the GPU -- for int8 / int4 the
+   level-1 reference, the float op on the dequantized weights w' -- and that the driver loads the
+   PTX the TensorRT AOT plugin bakes into engines (infmoe_trt.compile: this GPU's capability,
+   the PTX ISA version of this driver).
 2. Times one decode token (batch 1) of a GPT-2-Small-size layer (D 768, H 6144, r 1536) for
-   K = 1, 2, 4, 8: the kernel against the dense-masked PyTorch computation (the reference op,
-   all H units). Bandwidth = bytes the op must read (the union of the windows' rows of w_in and
-   w_out, plus biases and x) / time, compared with the GPU's copy bandwidth measured in the same
-   run (device-to-device copy of 1 GiB). Target: >= 70 % of it. L2 is flushed before every timed
-   call (triton.testing.do_bench), so weights come from HBM as in a real decode step.
+   K = 1, 2, 4, 8: the kernel against the dense-masked PyTorch computation (the reference op on
+   float weights -- w' for a quantized layer --, all H units). Bandwidth = bytes the op must read
+   (the union of the windows' rows of w_in and w_out -- packed bytes and block scales when
+   quantized --, plus biases and x) / time, compared with the GPU's copy bandwidth measured in
+   the same run (device-to-device copy of 1 GiB). Target: >= 70 % of it. L2 is flushed before
+   every timed call (triton.testing.do_bench), so weights come from HBM as in a real decode step;
+   "vs fp32" is the same K's float32 SPLIT time over this row's.
 
 Prints a table and one JSON line (prefix "JSON "). Exits 2 without a CUDA GPU, 1 if a check fails.
 """
@@ -29,6 +37,8 @@ def parse_args():
     parser.add_argument("--interpret", action="store_true", help="run in Triton's CPU interpreter (smoke test)")
     parser.add_argument("--tiny", action="store_true", help="a tiny layer instead of GPT-2 Small")
     parser.add_argument("--ks", default="1,2,4,8")
+    parser.add_argument("--weights", default="float,int8,int4", help="expert weights: float, int8, int4")
+    parser.add_argument("--block-size", type=int, default=32, help="quantization block size (SPEC §6)")
     return parser.parse_args()
 
 
@@ -39,7 +49,9 @@ if args.interpret:
 import torch  # noqa: E402
 
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts  # noqa: E402
+from infmoe_export.quant import BITS, QuantizedWeight, n_blocks, packed_columns  # noqa: E402
 from infmoe_trt import kernel  # noqa: E402
+
 device = "cpu" if args.interpret else "cuda"
 if not args.interpret and not torch.cuda.is_available():
     print("gpu_triton: no CUDA GPU visible to torch (this benchmark needs one; "
@@ -47,6 +59,10 @@ if not args.interpret and not torch.cuda.is_available():
     sys.exit(2)
 D, H, R = (24, 96, 24) if args.tiny else (768, 6144, 1536)
 KS = [int(k) for k in args.ks.split(",")]
+WEIGHTS = args.weights.split(",")
+if set(WEIGHTS) - {"float", *BITS}:
+    sys.exit(f"gpu_triton: --weights takes float, int8, int4, got {args.weights!r}")
+B = args.block_size
 
 
 def bench_ms(fn) -> float:
@@ -63,13 +79,40 @@ def bench_ms(fn) -> float:
     return sorted(times)[1]
 
 
-def layer(dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w_in = torch.randn(H, D, generator=g) / math.sqrt(D)
-    b_in = torch.randn(H, generator=g) * 0.1
-    w_out = torch.randn(H, D, generator=g) / math.sqrt(R)
-    b_out = torch.randn(D, generator=g) * 0.1
-    return [t.to(device=device, dtype=dtype) for t in (w_in, b_in, w_out, b_out)]
+class Layer:
+    """One FFN layer on the device: float weights, or int8 / int4 packed weights and block scales
+    (scales in the activations' dtype, as an export stores them)."""
+
+    def __init__(self, dtype, weights="float", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        w_in = torch.randn(H, D, generator=g) / math.sqrt(D)
+        b_in = torch.randn(H, generator=g) * 0.1
+        w_out = torch.randn(H, D, generator=g) / math.sqrt(R)
+        b_out = torch.randn(D, generator=g) * 0.1
+        self.dtype, self.bits = dtype, BITS.get(weights)
+        on_device = lambda *ts: [t.to(device=device, dtype=dtype) for t in ts]  # noqa: E731
+        if self.bits is None:
+            self.inputs = on_device(w_in, b_in, w_out, b_out)
+            self.float_weights = self.inputs
+            row_bytes = 2 * D * dtype.itemsize  # a row of w_in and of w_out
+        else:
+            q_in, q_out = (QuantizedWeight.of(w, self.bits, B, scale_dtype=dtype) for w in (w_in, w_out))
+            self.inputs = [q_in.packed.to(device), *on_device(q_in.scale, b_in), q_out.packed.to(device),
+                           *on_device(q_out.scale, b_out)]
+            self.float_weights = on_device(q_in.dequantized(self.bits, B, D), b_in, q_out.dequantized(self.bits, B, D),
+                                           b_out)
+            row_bytes = 2 * (packed_columns(D, self.bits) + n_blocks(D, B) * dtype.itemsize)
+        self.row_bytes = row_bytes + dtype.itemsize  # plus b_in
+
+    def run(self, x, starts, deterministic):
+        if self.bits is None:
+            return kernel.continuous_slice_ffn_triton(x, starts, *self.inputs, R, deterministic=deterministic)
+        return kernel.q_continuous_slice_ffn_triton(x, starts, *self.inputs, R, self.bits, B,
+                                                    deterministic=deterministic)
+
+    def dense(self, x, starts):
+        """The reference op (dense-masked PyTorch) on the float weights, w' when quantized."""
+        return continuous_slice_ffn(x, starts, *self.float_weights, R)
 
 
 def decode_starts(tokens, k, seed=0):
@@ -85,32 +128,33 @@ def decode_starts(tokens, k, seed=0):
 
 failures = []
 for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
-    weights = layer(dtype)
-    for tokens in (1, 7) if args.interpret else (1, 64, 333):
-        for k in KS:
-            x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(k)).to(device=device, dtype=dtype)
-            starts = decode_starts(tokens, k, seed=k)
-            ref = continuous_slice_ffn(x.float(), starts, *(w.float() for w in weights), R)
-            for deterministic in (True, False):
-                y = kernel.continuous_slice_ffn_triton(x, starts, *weights, R, deterministic=deterministic)
-                err = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
-                ok = err <= tol
-                mode = "columns" if deterministic else "split"
-                print(f"check {str(dtype)[6:]:8} tokens {tokens:4} K {k} {mode:8} max rel err {err:.2e} "
-                      f"{'ok' if ok else 'FAIL'}")
-                if not ok:
-                    failures.append((str(dtype), tokens, k, mode, err))
+    for weights in WEIGHTS:
+        layer = Layer(dtype, weights)
+        for tokens in (1, 7) if args.interpret else (1, 64, 333):
+            for k in KS:
+                x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(k)).to(device=device, dtype=dtype)
+                starts = decode_starts(tokens, k, seed=k)
+                ref = continuous_slice_ffn(x.float(), starts, *(w.float() for w in layer.float_weights), R)
+                for deterministic in (True, False):
+                    y = layer.run(x, starts, deterministic)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
+                    ok = err <= tol
+                    mode = "columns" if deterministic else "split"
+                    print(f"check {str(dtype)[6:]:8} {weights:5} tokens {tokens:4} K {k} {mode:8} "
+                          f"max rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+                    if not ok:
+                        failures.append((str(dtype), weights, tokens, k, mode, err))
 
 
-
-def ptx_loads(dtype: str) -> str:
+def ptx_loads(dtype: str, weights: str) -> str:
     """Compile the engines' kernel as the AOT plugin does and load it with cuModuleLoadData in
     torch's (current) context: '' when the driver accepts it, else the error."""
     import ctypes
 
     from infmoe_trt.compile import compile_ptx
 
-    compiled = compile_ptx(dtype, H=H, D=D, R=R, K=2)
+    bits = BITS.get(weights)
+    compiled = compile_ptx(dtype, H=H, D=D, R=R, K=2, bits=bits, block_size=B if bits else None)
     cuda = ctypes.CDLL("libcuda.so.1")
     module = ctypes.c_void_p()
     status = cuda.cuModuleLoadData(ctypes.byref(module), compiled["ptx"].encode() + b"\0")
@@ -123,10 +167,11 @@ def ptx_loads(dtype: str) -> str:
 if device == "cuda":
     torch.zeros(1, device=device)  # makes torch's context current for the driver API
     for dtype in ("fp32", "fp16"):
-        problem = ptx_loads(dtype)
-        print(f"check AOT PTX {dtype} loads in this driver: {'ok' if not problem else 'FAIL ' + problem}")
-        if problem:
-            failures.append(("ptx", dtype, problem))
+        for weights in WEIGHTS:
+            problem = ptx_loads(dtype, weights)
+            print(f"check AOT PTX {dtype} {weights} loads in this driver: {'ok' if not problem else 'FAIL ' + problem}")
+            if problem:
+                failures.append(("ptx", dtype, weights, problem))
 
 # ---------------------------------------------------------------------------------------------
 # 2. Batch-1 decode bandwidth
@@ -138,34 +183,40 @@ copy_gbs = 2 * copy_bytes / bench_ms(lambda: target.copy_(source)) / 1e6  # read
 del source, target
 gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
 print(f"\n{gpu}: copy bandwidth {copy_gbs:.0f} GB/s; layer D {D}, H {H}, r {R}; batch 1, one token")
-print(f"{'dtype':8} {'K':>2} {'union':>6} {'MB read':>8} {'dense ms':>9} {'split ms':>9} {'cols ms':>9} "
-      f"{'split GB/s':>10} {'% copy':>7} {'vs dense':>8}")
+print(f"{'dtype':8} {'weights':7} {'K':>2} {'union':>6} {'MB read':>8} {'dense ms':>9} {'split ms':>9} "
+      f"{'cols ms':>9} {'split GB/s':>10} {'% copy':>7} {'vs dense':>8} {'vs fp32':>8}")
 rows = []
+fp32_split = {}  # K -> float32 split ms, the baseline of "vs fp32"
 for dtype in (torch.float32, torch.float16):
-    weights = layer(dtype)
-    size = weights[0].element_size()
-    x = torch.randn(1, D, device=device).to(dtype)
-    for k in KS:
-        starts = decode_starts(1, k, seed=100 + k)
-        covered = torch.zeros(H, dtype=torch.bool, device=device)
-        for s in starts[0].tolist():
-            covered[s:s + R] = True
-        union = int(covered.sum())
-        # Rows of w_in and w_out, b_in of the union; x, b_out and y once.
-        needed = (union * (2 * D + 1) + 3 * D) * size
-        dense = bench_ms(lambda: continuous_slice_ffn(x, starts, *weights, R))
-        split = bench_ms(lambda: kernel.continuous_slice_ffn_triton(x, starts, *weights, R, deterministic=False))
-        cols = bench_ms(lambda: kernel.continuous_slice_ffn_triton(x, starts, *weights, R, deterministic=True))
-        gbs = needed / split / 1e6
-        row = dict(dtype=str(dtype)[6:], k=k, union=union, bytes=needed, dense_ms=dense, split_ms=split,
-                   columns_ms=cols, split_gbs=gbs, columns_gbs=needed / cols / 1e6,
-                   fraction_of_copy=gbs / copy_gbs, speedup_vs_dense=dense / split)
-        rows.append(row)
-        print(f"{row['dtype']:8} {k:>2} {union:>6} {needed / 1e6:>8.2f} {dense:>9.4f} {split:>9.4f} {cols:>9.4f} "
-              f"{gbs:>10.0f} {100 * gbs / copy_gbs:>6.1f}% {dense / split:>7.2f}x")
+    for weights in WEIGHTS:
+        layer = Layer(dtype, weights)
+        x = torch.randn(1, D, device=device).to(dtype)
+        for k in KS:
+            starts = decode_starts(1, k, seed=100 + k)
+            covered = torch.zeros(H, dtype=torch.bool, device=device)
+            for s in starts[0].tolist():
+                covered[s:s + R] = True
+            union = int(covered.sum())
+            # The union's rows (w_in, w_out and b_in); x, b_out and y once.
+            needed = union * layer.row_bytes + 3 * D * dtype.itemsize
+            dense = bench_ms(lambda: layer.dense(x, starts))
+            split = bench_ms(lambda: layer.run(x, starts, deterministic=False))
+            cols = bench_ms(lambda: layer.run(x, starts, deterministic=True))
+            if dtype == torch.float32 and weights == "float":
+                fp32_split[k] = split
+            gbs = needed / split / 1e6
+            row = dict(dtype=str(dtype)[6:], weights=weights, block_size=B if layer.bits else None, k=k, union=union,
+                       bytes=needed, dense_ms=dense, split_ms=split, columns_ms=cols, split_gbs=gbs,
+                       columns_gbs=needed / cols / 1e6, fraction_of_copy=gbs / copy_gbs, speedup_vs_dense=dense / split,
+                       speedup_vs_fp32=fp32_split[k] / split if k in fp32_split else None)
+            rows.append(row)
+            vs_fp32 = f"{row['speedup_vs_fp32']:>7.2f}x" if row["speedup_vs_fp32"] else f"{'-':>8}"
+            print(f"{row['dtype']:8} {weights:7} {k:>2} {union:>6} {needed / 1e6:>8.2f} {dense:>9.4f} {split:>9.4f} "
+                  f"{cols:>9.4f} {gbs:>10.0f} {100 * gbs / copy_gbs:>6.1f}% {dense / split:>7.2f}x {vs_fp32}")
 
 target_met = all(r["fraction_of_copy"] >= 0.70 for r in rows)
-print(f"\ntarget >= 70% of copy bandwidth (split mode, every K and dtype): {'met' if target_met else 'NOT met'}")
-print("JSON " + json.dumps({"gpu": gpu, "copy_gbs": copy_gbs, "layer": {"D": D, "H": H, "r": R}, "rows": rows,
-                            "target_met": target_met, "check_failures": failures}))
+print(f"\ntarget >= 70% of copy bandwidth (split mode, every K, dtype and weights): "
+      f"{'met' if target_met else 'NOT met'}")
+print("JSON " + json.dumps({"gpu": gpu, "copy_gbs": copy_gbs, "layer": {"D": D, "H": H, "r": R, "block_size": B},
+                            "rows": rows, "target_met": target_met, "check_failures": failures}))
 sys.exit(1 if failures else 0)

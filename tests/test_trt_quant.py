@@ -15,18 +15,19 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 import torch
-
-from test_tensorrt import TINY, stub_plugin, tensorrt_stub, write_fake_build  # noqa: F401 -- shared stand-ins
+# The tiny config, the stand-ins for tensorrt and the fake engine folder of the float tests.
+from test_tensorrt import TINY, needs_tensorrt, stub_plugin, tensorrt_stub, write_fake_build  # noqa: F401
 
 from infmoe_export.contract import ExportedModel
 from infmoe_export.errors import InfMoEError
 from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEGPT
-from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
-from infmoe_export.runtimes.tensorrt import build, manifest, network
+from infmoe_export.quant import QuantizedWeight, dequantized_model, q_continuous_slice_ffn
+from infmoe_export.runtimes.tensorrt import build, manifest, network, runner
 
 pytest.importorskip("triton")
 from infmoe_trt import compile as trt_compile  # noqa: E402
@@ -313,12 +314,16 @@ def test_q_aot_impl_gives_ptx_that_ptxas_assembles_for_sm_90():
 
 
 @pytest.fixture(scope="module")
-def q_exports(tmp_path_factory):
-    """The tiny model exported for K = 2 as trt exports it (no function): int8 and int4, B 16."""
+def q_model():
     torch.manual_seed(SEED % 2**31)
-    model = InfMoEGPT(TINY).eval()
+    return InfMoEGPT(TINY).eval()
+
+
+@pytest.fixture(scope="module")
+def q_exports(q_model, tmp_path_factory):
+    """The tiny model exported for K = 2 as trt exports it (no function): int8 and int4, B 16."""
     folder = tmp_path_factory.mktemp("q_onnx")
-    return {dtype: export_onnx(model, folder / dtype / "model_k2.onnx", k=2, dtype=dtype, block_size=16,
+    return {dtype: export_onnx(q_model, folder / dtype / "model_k2.onnx", k=2, dtype=dtype, block_size=16,
                                function=False) for dtype in ("int8", "int4")}
 
 
@@ -402,3 +407,35 @@ def test_trt_refuses_a_precision_the_models_lack(q_exports, tmp_path, run_cli):
     code, _, err = run_cli("trt", "--out", tmp_path / "engines", "--model", q_exports["int4"].path, "--dtype", "fp32")
     assert code == 1 and err.count("\n") == 1 and "no fp32 model for K=2: the given models are K=2 int4" in err
     assert not (tmp_path / "engines").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# With TensorRT and a GPU (plugins/tensorrt/gpu_check.sh runs this file there)
+
+
+@needs_tensorrt
+@pytest.mark.parametrize("jit", [False, True], ids=["aot", "jit"])
+def test_quantized_engines_match_the_level1_reference(q_model, q_exports, tmp_path, jit):
+    """int8 and int4 engines (one folder, picked by precision) against PyTorch on the dequantized
+    weights w', prefill then one decode step, with the float tolerances (SPEC §6, level 1)."""
+    if jit and not torch.cuda.is_available():
+        pytest.skip("the JIT plugin needs a CUDA build of torch")
+    models = {(2, dtype): exported for dtype, exported in q_exports.items()}
+    build.build_engines(models, tmp_path, timing_cache=tmp_path / "t.cache", max_batch=2, max_seq=16, jit=jit)
+    for dtype, exported in q_exports.items():
+        io = exported.io
+        reference = dequantized_model(q_model, io.bits, io.block_size)
+        feed = io.dummy_inputs(batch=2, sequence=6, past_sequence=0)
+        with runner.TrtRunner.from_engines(tmp_path, 2, dtype) as trt_runner:
+            outputs = trt_runner.infer(feed)
+            with torch.no_grad():
+                ref = reference(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=2)
+            keep = feed["attention_mask"].astype(bool)  # padded positions are garbage by construction
+            np.testing.assert_allclose(outputs["logits"][keep], ref.logits.numpy()[keep], rtol=1e-3, atol=1e-3)
+            past = [outputs[name.replace("past_key_values", "present")] for name in io.past_names]
+            mask = np.concatenate([feed["attention_mask"], np.ones((2, 1), dtype=np.int64)], axis=1)
+            step = trt_runner.infer(io.feed(feed["input_ids"][:, -1:], mask, past))
+            with torch.no_grad():
+                ref_step = reference(torch.from_numpy(feed["input_ids"][:, -1:]), torch.from_numpy(mask),
+                                     ref.present, k=2)
+            np.testing.assert_allclose(step["logits"], ref_step.logits.numpy(), rtol=1e-3, atol=1e-3)

@@ -10,15 +10,17 @@
 # last line is the summary, and the exit status is 0 only when no step failed.
 #
 #   1. environment   GPU, driver, TensorRT version in the supported range (tensorrt>=10.9,<12)
-#   2. kernel        benchmarks/gpu_triton.py: both kernel modes vs the reference on the GPU, the
-#                    AOT PTX loads in this driver, batch-1 decode bandwidth
-#   3. tests         tests/test_tensorrt.py, whose engine tests (AOT and JIT, prefill + decode vs
-#                    PyTorch) run only here
+#   2. kernel        benchmarks/gpu_triton.py: both kernel modes vs the reference on the GPU, float,
+#                    int8 and int4 weights, the AOT PTX loads in this driver, batch-1 decode bandwidth
+#   3. tests         tests/test_tensorrt.py and tests/test_trt_quant.py, whose engine tests (AOT and
+#                    JIT, prefill + decode vs PyTorch; int8 / int4 vs the dequantized weights) run
+#                    only here
 #   4. engines       infmoe-export trt --k 1,2,8 (AOT plugin, fp32, strongly typed, TF32 off)
 #   5. parity        infmoe-export parity --backends trt: SPEC §5 against PyTorch, K = 1, 2, 8
 #   6. decode        infmoe-export bench --seq 1 --batch 1: decode latency, PyTorch vs TensorRT
 #   7. run           infmoe-export run --engines: generation from an AOT engine (no Python plugin)
-#   8. fp16          infmoe-export trt --fp16 --k 2, then a generation from it
+#   8. precisions    infmoe-export trt --k 2 --dtype P for P = fp16, int8, int4, then a generation
+#                    from each
 
 set -u
 cd "$(dirname "$0")/../.."
@@ -77,7 +79,7 @@ fi
 
 if [ "$HAVE_TRT" = 1 ]; then
     # 3. the test file, engine tests included
-    step tests 1800 "$PY" -m pytest tests/test_tensorrt.py -q -rs -p no:cacheprovider
+    step tests 1800 "$PY" -m pytest tests/test_tensorrt.py tests/test_trt_quant.py -q -rs -p no:cacheprovider
 
     # 4. engines for K = 1, 2, 8 (models exported with starts, for parity)
     ENGINES="$OUT/engines"
@@ -89,15 +91,15 @@ from infmoe_export.runtimes.tensorrt import read_manifest
 m = read_manifest(sys.argv[1])
 built = [(e['k'], e['plugin'], e['precision'], e['tf32'], e['gpu'], e['tensorrt_version']) for e in m['engines']]
 print('built (K, plugin, precision, tf32, gpu, TensorRT):', built)
-assert [b[0] for b in built] == [1, 2, 8], built
+assert [b[:3:2] for b in built] == [(1, 'fp32'), (2, 'fp32'), (8, 'fp32')], built
 " "$ENGINES"
 
         # 5. parity against PyTorch
-        step parity 3600 "$CLI" parity --model "$ENGINES/onnx" --engines "$ENGINES" --k 1,2,8 --backends trt \
+        step parity 3600 "$CLI" parity --model "$ENGINES/onnx/fp32" --engines "$ENGINES" --k 1,2,8 --backends trt \
             --out "$OUT/parity"
 
         # 6. decode timing
-        step decode 3600 "$CLI" bench --model "$ENGINES/onnx" --engines "$ENGINES" --backends torch,trt \
+        step decode 3600 "$CLI" bench --model "$ENGINES/onnx/fp32" --engines "$ENGINES" --backends torch,trt \
             --k 1,2,8 --batch 1 --seq 1 --json "$OUT/decode.json"
 
         # 7. generation from an AOT engine
@@ -106,13 +108,16 @@ assert [b[0] for b in built] == [1, 2, 8], built
         for name in manifest parity decode run; do verdict $name SKIP "no engines were built (see the engines step)"; done
     fi
 
-    # 8. float16: strongly typed engine from a float16 export
-    step fp16 3600 "$CLI" trt --out "$OUT/engines_fp16" --k 2 --fp16
-    if [ -f "$OUT/engines_fp16/manifest.json" ]; then
-        step fp16-run 600 "$CLI" run --engines "$OUT/engines_fp16" --prompt "import " --max-new-tokens 32
-    fi
+    # 8. float16, int8, int4: strongly typed engines from exports of that precision
+    for precision in fp16 int8 int4; do
+        step "$precision" 3600 "$CLI" trt --out "$OUT/engines_$precision" --k 2 --dtype "$precision"
+        if [ -f "$OUT/engines_$precision/manifest.json" ]; then
+            step "$precision-run" 600 "$CLI" run --engines "$OUT/engines_$precision" --prompt "import " \
+                --max-new-tokens 32
+        fi
+    done
 else
-    for name in tests engines manifest parity decode run fp16; do
+    for name in tests engines manifest parity decode run fp16 int8 int4; do
         verdict $name SKIP "needs TensorRT and an NVIDIA GPU (see the environment step)"
     done
 fi
