@@ -28,6 +28,7 @@ import onnx
 
 from .errors import InfMoEError
 from .model import NOISE_MODES, InfMoEConfig, Output
+from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, Q_OP_TYPE, check_block_size
 
 # The custom op (SPEC §4): TensorRT finds its plugin by these, onnxruntime its kernel.
 DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
@@ -37,8 +38,11 @@ DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
 MAX_K = 65536
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
-# The precision of the expert part (the FFN weights and the op); see exporter.py.
-DTYPES = ("fp32", "fp16")
+# The precision of the expert part (the FFN weights and the op); see exporter.py. int8 and int4
+# store the expert weights for `infmoe::QContinuousSliceFFN` (SPEC §6, docs/quantization.md).
+DTYPES = PRECISIONS
+# The other matrices (attention, the tied embedding / LM head): kept float32 or ONNX QDQ.
+QUANTIZE_OTHER = ("none", "int8", "int4")
 # What the graph is written for (docs/export.md, Targets): standard ops only (portable, tensorrt:
 # TensorRT fuses attention itself), or onnxruntime's fused contrib ops with a KV cache that past
 # and present may share in place. Files from before targets are portable.
@@ -56,6 +60,8 @@ class DecoderIO:
     past: bool = True
     with_starts: bool = False
     dtype: str = "fp32"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    quantize_other: str = "none"
     target: str = DEFAULT_TARGET
 
     def __post_init__(self):
@@ -65,8 +71,28 @@ class DecoderIO:
             raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {self.noise!r}")
         if self.dtype not in DTYPES:
             raise InfMoEError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantize_other not in QUANTIZE_OTHER:
+            raise InfMoEError(f"quantize_other must be one of {QUANTIZE_OTHER}, got {self.quantize_other!r}")
+        check_block_size(self.block_size)
         if self.target not in TARGETS:
             raise InfMoEError(f"target must be one of {TARGETS}, got {self.target!r}")
+
+    # -- quantization (SPEC §6) -------------------------------------------------------------
+
+    @property
+    def bits(self) -> Optional[int]:
+        """Bits of the expert weights, None when they are float."""
+        return BITS.get(self.dtype)
+
+    @property
+    def other_bits(self) -> Optional[int]:
+        """Bits of attention and the tied embedding / LM head, None when they are float32."""
+        return BITS.get(self.quantize_other)
+
+    @property
+    def quantized(self) -> List[str]:
+        """What is stored as integers: "experts", "attention", "embedding" (the tied LM head)."""
+        return (["experts"] if self.bits else []) + (["attention", "embedding"] if self.other_bits else [])
 
     @property
     def shares_cache(self) -> bool:
@@ -167,6 +193,9 @@ class DecoderIO:
         return {"infmoe.config": json.dumps(self.config.to_dict(), sort_keys=True), "infmoe.k": str(self.k),
                 "infmoe.noise": self.noise, "infmoe.past": str(int(self.past)),
                 "infmoe.with_starts": str(int(self.with_starts)), "infmoe.dtype": self.dtype,
+                "infmoe.bits": str(self.bits or (16 if self.dtype == "fp16" else 32)),
+                "infmoe.block_size": str(self.block_size), "infmoe.quantize_other": self.quantize_other,
+                "infmoe.quantized": ",".join(self.quantized),
                 "infmoe.target": self.target,
                 "infmoe.opset": str(opset), "infmoe.has_function": str(int(has_function)),
                 "infmoe.exporter_version": __version__}
@@ -175,8 +204,11 @@ class DecoderIO:
     def from_metadata(cls, props: Dict[str, str]) -> "DecoderIO":
         try:
             config = InfMoEConfig.from_dict(json.loads(props["infmoe.config"]))
+            # Files from before quantization have no block size or quantize_other: nothing else quantized.
             return cls(config, int(props["infmoe.k"]), props["infmoe.noise"], props["infmoe.past"] == "1",
                        props["infmoe.with_starts"] == "1", props["infmoe.dtype"],
+                       int(props.get("infmoe.block_size", DEFAULT_BLOCK_SIZE)),
+                       props.get("infmoe.quantize_other", "none"),
                        target=props.get("infmoe.target", DEFAULT_TARGET))
         except (KeyError, ValueError) as error:
             raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
@@ -195,6 +227,11 @@ def load_graph(path: Union[str, os.PathLike]) -> "onnx.ModelProto":
         return onnx.load(str(path), load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
         raise InfMoEError(f"{path} is not a readable ONNX model ({type(error).__name__})") from None
+
+
+def custom_op_type(nodes) -> str:
+    """The custom op a graph's nodes use: the quantized one (SPEC §6) when any node is."""
+    return Q_OP_TYPE if any(n.domain == DOMAIN and n.op_type == Q_OP_TYPE for n in nodes) else OP_TYPE
 
 
 def folder_metadata(path: Union[str, os.PathLike]) -> Optional[Dict[str, str]]:
@@ -225,7 +262,8 @@ class ExportedModel:
         metadata = {p.key: p.value for p in graph.metadata_props}
         if "infmoe.config" not in metadata:
             metadata = folder_metadata(path) or metadata
-        has_function = any(f.domain == DOMAIN and f.name == OP_TYPE for f in graph.functions)
+        op_type = custom_op_type(graph.graph.node)
+        has_function = any(f.domain == DOMAIN and f.name == op_type for f in graph.functions)
         if metadata.get("infmoe.has_function") == "1" and not has_function:
             # e.g. saved by an onnxruntime session that had the kernel: the op stayed, the function went
             metadata = {**metadata, "infmoe.has_function": "0", "infmoe.function_dropped": "1"}

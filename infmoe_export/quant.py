@@ -8,12 +8,12 @@ odd). The dequantized weights w' = q * scale are what every kernel must reproduc
 """
 
 import copy
-from typing import NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
 from .errors import InfMoEError
-from .model import InfMoEGPT, continuous_slice_ffn
+from .model import InfMoEConfig, InfMoEGPT, continuous_slice_ffn
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -146,15 +146,29 @@ def q_continuous_slice_ffn(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_s
     return continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width, activation)
 
 
-def dequantized_model(model: InfMoEGPT, bits: int, block_size: int) -> InfMoEGPT:
-    """A copy of the model whose expert weights are w' (float32): the level-1 reference."""
+def quantized_tensors(config: InfMoEConfig, bits: Optional[int], other_bits: Optional[int] = None) -> Dict[str, int]:
+    """Checkpoint name -> bits of every matrix an export stores as integers: the experts at bits,
+    attention and the tied embedding / LM head at other_bits (None: kept float). Every one is
+    quantized as stored, [out, in] or [H, D]: rows blocked along D."""
+    names = {"wte.weight": other_bits} if other_bits else {}
+    for i in range(config.n_layer):
+        if bits:
+            names.update({f"h.{i}.moe.w_in": bits, f"h.{i}.moe.w_out": bits})
+        if other_bits:
+            names.update({f"h.{i}.attn.qkv.weight": other_bits, f"h.{i}.attn.proj.weight": other_bits})
+    return names
+
+
+def dequantized_model(model: InfMoEGPT, bits: Optional[int], block_size: int,
+                      other_bits: Optional[int] = None) -> InfMoEGPT:
+    """A copy of the model whose quantized matrices (quantized_tensors) are w' (float32): the
+    level-1 reference of an export with these settings."""
     copied = copy.deepcopy(model)
+    parameters = dict(copied.named_parameters())
     with torch.no_grad():
-        for block in copied.h:
-            for name in ("w_in", "w_out"):
-                weight = getattr(block.moe, name)
-                q, scale = quantize(weight, bits, block_size)
-                weight.copy_(dequantize(q, scale, block_size))
+        for name, n_bits in quantized_tensors(model.config, bits, other_bits).items():
+            q, scale = quantize(parameters[name], n_bits, block_size)
+            parameters[name].copy_(dequantize(q, scale, block_size))
     return copied
 
 

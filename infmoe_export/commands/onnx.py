@@ -6,11 +6,12 @@ from pathlib import Path
 import click
 
 from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
-from ..contract import DEFAULT_TARGET, DTYPES, TARGETS
+from ..contract import DEFAULT_TARGET, DTYPES, QUANTIZE_OTHER, TARGETS
 from ..errors import InfMoEError
 from ..files import locked, output_dir, output_file, staged_dir
-from ..export import DEFAULT_OPSET, export_onnx
+from ..export import DEFAULT_OPSET, QDQ_OPSET, export_onnx
 from ..model import NOISE_MODES
+from ..quant import DEFAULT_BLOCK_SIZE, check_block_size
 from ..runtimes import ort_kernel
 from ..verify.validate import validate_onnx
 
@@ -24,20 +25,32 @@ from ..verify.validate import validate_onnx
 @click.option("--k", type=int, default=None, help="Expert budget K (default: the checkpoint's num_samples).")
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
-@click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--opset", type=int, default=None,
+              help=f"ONNX opset (default: {DEFAULT_OPSET}; {QDQ_OPSET} with --quantize-other, which needs it).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+              help="Precision of the expert weights; int8 / int4: QContinuousSliceFFN (docs/quantization.md).")
+@click.option("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, show_default=True,
+              help="Weights per int8 / int4 scale, along the input dimension (a power of two >= 16).")
+@click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default="none", show_default=True,
+              help="Attention and the tied embedding / LM head as ONNX QDQ (DequantizeLinear, opset 21).")
 @click.option("--target", type=click.Choice(TARGETS), default=DEFAULT_TARGET, show_default=True,
               help="The runtime the graph is written for: standard ops (portable, tensorrt), or onnxruntime's "
                    "fused attention on a KV buffer shared in place (docs/export.md).")
 @click.option("--no-function", is_flag=True, help="Leave out the fallback function (TensorRT plugin models).")
 @click.option("--with-starts", is_flag=True, help="Add outputs expert_starts.{i} [batch, sequence, K].")
-@click.option("--atol", type=float, default=None, help="Validation tolerance (default: 1e-4 fp32, 5e-2 fp16).")
+@click.option("--atol", type=float, default=None,
+              help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16).")
 @click.option("--no-validate", is_flag=True, help="Skip the onnxruntime-vs-PyTorch check.")
-def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, target, no_function, with_starts, atol,
-                 no_validate):
+def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, quantize_other, target, no_function,
+                 with_starts, atol, no_validate):
     """Export a checkpoint to ONNX with one infmoe::ContinuousSliceFFN node per layer."""
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
+    try:
+        check_block_size(block_size)
+    except InfMoEError as error:
+        raise InfMoEError(f"--block-size: {error}") from None
+    quantization = dict(dtype=dtype, block_size=block_size, quantize_other=quantize_other, target=target)
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:
@@ -47,14 +60,14 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, target, no_fu
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
-        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, dtype, target,
+        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, quantization,
                        no_function, with_starts, atol, no_validate)
         return
     output_file(out, inputs=[source / CONFIG_FILE, source / WEIGHTS_FILE])
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
-    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, dtype=dtype,
-                       function=not no_function, with_starts=with_starts, target=target)
+    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, **quantization,
+                           function=not no_function, with_starts=with_starts)
     path = exported.path
     size = sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.exists())
     click.echo(f"exported {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
@@ -69,7 +82,7 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, target, no_fu
     click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)
 
 
-def _export_folder(out, checkpoint, k, noise, no_past, opset, dtype, target, no_function, with_starts, atol,
+def _export_folder(out, checkpoint, k, noise, no_past, opset, quantization, no_function, with_starts, atol,
                    no_validate):
     """`--out DIR`: model.onnx and the clients' files into a staging folder, validated, then
     published to out (published on a failed validation too, like the file: it is complete and
@@ -81,7 +94,7 @@ def _export_folder(out, checkpoint, k, noise, no_past, opset, dtype, target, no_
     report = None
     with locked(out), staged_dir(out) as staging:
         exported = export_onnx(model, staging / MODEL_FILE, k=k, noise=noise, past=not no_past, opset=opset,
-                               dtype=dtype, function=not no_function, with_starts=with_starts, target=target)
+                               **quantization, function=not no_function, with_starts=with_starts)
         write_hf_folder(staging, exported, kernel_library=ort_kernel.custom_op_library() if no_function else None)
         if not no_validate:
             from rich.console import Console

@@ -4,5 +4,6 @@ Depends on the model and the contract only; checking an export against PyTorch i
 """
 
 from .exporter import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_many, export_onnx, model_filename
+from .quantized import QDQ_OPSET
 
-__all__ = ["DEFAULT_OPSET", "MAX_OPSET", "MIN_OPSET", "export_many", "export_onnx", "model_filename"]
+__all__ = ["DEFAULT_OPSET", "MAX_OPSET", "MIN_OPSET", "QDQ_OPSET", "export_many", "export_onnx", "model_filename"]

@@ -28,8 +28,10 @@ from ..contract import BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST,
 from ..errors import InfMoEError
 from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
-from .function import ir_function
+from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QuantizedWeight
+from .function import ir_functions
 from .ort_target import OrtDecoder, finish_ort_graph
+from .quantized import insert_dequantize, resolve_opset
 
 # torch.onnx's dynamo exporter emits opset 18 and up (its op library is written for 18); the
 # newest is the newest the installed onnx knows (28 with onnx 1.23; 18-28 exported and
@@ -44,13 +46,22 @@ class _ExportMoE(nn.Module):
 
     dtype is the expert part's precision. The router and everything upstream of it stay fp32
     even in an fp16 export: a start resolves 1 / (H - r + 1) of sigmoid's range (1/4609 at
-    GPT-2 Small size), and fp16 activations upstream move it by whole windows (docs/export.md)."""
+    GPT-2 Small size), and fp16 activations upstream move it by whole windows (docs/export.md).
 
-    def __init__(self, moe: nn.Module, dtype: torch.dtype):
+    With bits (int8/int4, sparse models only) the expert matrices become the uint8 storage and
+    float32 scales of `infmoe::QContinuousSliceFFN` (SPEC §6); biases stay float32."""
+
+    def __init__(self, moe: nn.Module, dtype: torch.dtype, bits: Optional[int] = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         super().__init__()
-        self.moe, self.dtype = moe, dtype
+        self.moe, self.dtype, self.bits, self.block_size = moe, dtype, bits, block_size
         for name in ("w_in", "b_in", "w_out", "b_out"):
             getattr(moe, name).data = getattr(moe, name).data.to(dtype)
+        for name in ("w_in", "w_out") if bits else ():
+            packed, scale = QuantizedWeight.of(getattr(moe, name), bits, block_size)
+            self.register_buffer(f"{name}_q", packed)
+            self.register_buffer(f"{name}_scale", scale)
+            delattr(moe, name)
 
     def forward(self, x, eps):
         m = self.moe
@@ -59,11 +70,16 @@ class _ExportMoE(nn.Module):
         if m.slice_width == m.ffn_hidden:  # every window is the whole FFN: an ordinary MLP
             y = gelu_tanh(F.linear(h, m.w_in, m.b_in)) @ m.w_out + m.b_out
         else:
-            y = torch.onnx.ops.symbolic(
-                f"{DOMAIN}::{OP_TYPE}", (h, starts, m.w_in, m.b_in, m.w_out, m.b_out),
-                dict(slice_width=m.slice_width, activation="gelu_tanh", plugin_namespace=DOMAIN,
-                     plugin_version=str(OP_VERSION)),
-                dtype=h.dtype, shape=h.shape, version=OP_VERSION)
+            attributes = dict(slice_width=m.slice_width, activation="gelu_tanh", plugin_namespace=DOMAIN,
+                              plugin_version=str(OP_VERSION))
+            if self.bits:
+                attributes.update(bits=self.bits, block_size=self.block_size)
+                op_type, inputs = Q_OP_TYPE, (h, starts, self.w_in_q, self.w_in_scale, m.b_in, self.w_out_q,
+                                              self.w_out_scale, m.b_out)
+            else:
+                op_type, inputs = OP_TYPE, (h, starts, m.w_in, m.b_in, m.w_out, m.b_out)
+            y = torch.onnx.ops.symbolic(f"{DOMAIN}::{op_type}", inputs, attributes, dtype=h.dtype, shape=h.shape,
+                                        version=OP_VERSION)
         return y.to(x.dtype), starts
 
 
@@ -75,8 +91,10 @@ class _ExportModule(nn.Module):
         self.io = decoder_io
         self.model = copy.deepcopy(model).eval()
         dtype = torch.float16 if decoder_io.dtype == "fp16" else torch.float32
+        # A dense model's experts are plain MatMuls: quantized by DequantizeLinear (quantized.py).
+        bits = None if model.config.is_dense else decoder_io.bits
         for block in self.model.h:
-            block.moe = _ExportMoE(block.moe, dtype)
+            block.moe = _ExportMoE(block.moe, dtype, bits, decoder_io.block_size)
         if decoder_io.noise == "quantile":  # baked in as a constant
             self.register_buffer("quantile_eps", quantile_noise(decoder_io.k), persistent=False)
 
@@ -309,13 +327,17 @@ def save_model(model: ir.Model, path: Path):
 
 
 def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[int] = None,
-                noise: str = "quantile", past: bool = True, opset: int = DEFAULT_OPSET, dtype: str = "fp32",
-                function: bool = True, with_starts: bool = False, target: str = DEFAULT_TARGET) -> ExportedModel:
+                noise: str = "quantile", past: bool = True, opset: Optional[int] = None, dtype: str = "fp32",
+                block_size: int = DEFAULT_BLOCK_SIZE, quantize_other: str = "none", function: bool = True,
+                with_starts: bool = False, target: str = DEFAULT_TARGET) -> ExportedModel:
     """Export model for expert budget k (default: its num_samples) to path; target: the graph's
-    runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py)."""
+    runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py).
+    dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
+    quantize_other that of attention and the tied embedding / LM head (docs/quantization.md);
+    opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it."""
     decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype,
-                           target=target)
-    check_opset(opset)
+                           block_size=block_size, quantize_other=quantize_other, target=target)
+    opset = check_opset(resolve_opset(opset, decoder_io, DEFAULT_OPSET))
     path = output_file(path)
 
     module = _ExportModule(model, decoder_io)
@@ -341,6 +363,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     onnx_model = program.model
     _rename_dims(onnx_model.graph, decoder_io)
     _name_initializers(onnx_model.graph, module)
+    insert_dequantize(onnx_model.graph, {name: p.detach() for name, p in model.named_parameters()}, decoder_io)
     _name_nodes(onnx_model.graph)
     _outputs_not_consumed(onnx_model.graph)
     _slice_positions_from_the_end(onnx_model.graph, decoder_io)
@@ -349,8 +372,8 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     onnx_model.graph.sort()
     has_function = function and not config.is_dense  # a dense model has no custom op to fall back from
     if has_function:
-        fn = ir_function(opset)
-        onnx_model.functions[fn.identifier()] = fn
+        for fn in ir_functions(opset, Q_OP_TYPE if decoder_io.bits else OP_TYPE):
+            onnx_model.functions[fn.identifier()] = fn
     metadata = decoder_io.metadata(opset, has_function)
     onnx_model.metadata_props.update(metadata)
     onnx_model.producer_name = "infmoe-export"

@@ -11,9 +11,16 @@ rule about the whole call is broken (shapes that broadcast instead of failing, K
 slice_width outside [1, H], an unknown activation). Mismatched shapes that no op can broadcast
 make onnxruntime itself fail. For valid input the NaN term is an exact + 0: the numbers are the
 dense form's, bit for bit.
+
+`infmoe::QContinuousSliceFFN` (SPEC §6) is a second function that unpacks and scales both
+expert matrices in one pass (stacked, so the dequantization is written once) and then calls
+the first: its numbers are the float function's on w', and its invalid input gives NaN too
+(bits, block_size, storage and scale shapes), except w_in's and w_out's storage or scales of
+different widths, which cannot be stacked: onnxruntime fails there, as for unbroadcastable shapes.
 """
 
 import math
+from typing import Optional
 
 import onnx_ir as ir
 from onnx import TensorProto, helper
@@ -22,6 +29,7 @@ from onnxscript import opset18 as op
 
 from ..contract import DOMAIN, OP_TYPE, OP_VERSION
 from ..model import GELU_TANH_C, GELU_TANH_CUBIC
+from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
 
@@ -77,27 +85,85 @@ def ContinuousSliceFFN(X, starts, w_in, b_in, w_out, b_out, slice_width: int, ac
     return Y
 
 
-def ir_function(opset: int) -> ir.Function:
-    """The function as an onnx_ir Function for a model of this opset (the checker wants a
-    function's default opset to match the model's; every op here means the same from 18 on,
-    later opsets only add types)."""
-    function = ir.serde.deserialize_function(ContinuousSliceFFN.to_function_proto())
-    function.opset_imports[""] = opset
-    return function
+@script(infmoe, default_opset=op)
+def QContinuousSliceFFN(X, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width: int,
+                        bits: int, block_size: int, activation: str = "gelu_tanh", plugin_namespace: str = "infmoe",
+                        plugin_version: str = "1"):
+    H = op.Shape(w_in_q, start=0, end=1)                                          # [1]
+    D = op.Shape(X, start=-1)                                                     # [1]
+    n_bits = op.Constant(value_int=bits)
+    B = op.Constant(value_int=block_size)
+    # A bad bits or block size gives NaN; the safe values only keep the ops below well defined.
+    bits_ok = op.Or(op.Equal(n_bits, 4), op.Equal(n_bits, 8))
+    block_ok = op.And(op.GreaterOrEqual(B, 16), op.Equal(op.BitwiseAnd(B, B - 1), 0))
+    safe_bits = op.Where(bits_ok, n_bits, 8)
+    safe_B = op.Where(block_ok, B, 16)
+    per_byte = 8 / safe_bits                                                      # values per byte: 1 or 2
+    columns = (D + per_byte - 1) / per_byte
+    blocks = (D + safe_B - 1) / safe_B
+    # Storage shapes (SPEC §6), compared as in ContinuousSliceFFN.
+    actual = op.Concat(op.Shape(op.Shape(w_in_q)), op.Shape(op.Shape(w_out_q)), op.Shape(op.Shape(w_in_scale)),
+                       op.Shape(op.Shape(w_out_scale)), op.Shape(w_in_q), op.Shape(w_out_q), op.Shape(w_in_scale),
+                       op.Shape(w_out_scale), axis=0)
+    expected = op.Concat(op.Constant(value_ints=[2, 2, 2, 2]), H, columns, H, columns, H, blocks, H, blocks, axis=0)
+    mismatch = op.Abs(op.Size(actual) - op.Size(expected)) + op.ReduceSum(
+        op.Abs(op.Concat(actual, expected, axis=0) - op.Concat(expected, actual, axis=0)), keepdims=0)
+    call_bad = op.Or(op.Or(op.Not(bits_ok), op.Not(block_ok)), op.Greater(mismatch, 0))
+    penalty = op.Where(call_bad, op.CastLike(_NAN, X), op.CastLike(0.0, X))
+
+    # Both matrices at once, [2H, columns]: value j of a byte is (byte >> j * bits) & (2^bits - 1),
+    # so the low nibble is the even column; int8 is the same with one value per byte.
+    packed = op.Concat(w_in_q, w_out_q, axis=0)
+    shifts = op.Cast(op.Range(0, 8, safe_bits), to=TensorProto.UINT8)             # [0] or [0, 4]
+    mask = op.Cast(op.Pow(2.0, op.Cast(safe_bits, to=TensorProto.FLOAT)) - 1.0, to=TensorProto.UINT8)
+    values = op.BitwiseAnd(op.BitShift(op.Unsqueeze(packed, [-1]), shifts, direction="RIGHT"), mask)
+    values = op.Reshape(values, op.Concat(op.Shape(packed, end=1), op.Constant(value_ints=[-1]), axis=0))
+    # At least D columns (too few: zeros, already NaN above), then the pad nibble goes.
+    short = op.Max(D - op.Shape(values, start=1), op.Constant(value_ints=[0]))
+    values = op.Slice(op.Pad(values, op.Concat(op.Constant(value_ints=[0, 0, 0]), short, axis=0)), [0], D, [1])
+    offset = op.Pow(op.CastLike(2.0, X), op.CastLike(safe_bits - 1, X))
+    # Column j's scale is scale[:, j div B] (clamped, so a short scale is NaN above, not an error).
+    column = op.Range(0, op.Squeeze(D, [0]), 1) / safe_B
+    column = op.Min(column, op.Squeeze(op.Shape(w_in_scale, start=1, end=2), [0]) - 1)
+    scales = op.Gather(op.Concat(w_in_scale, w_out_scale, axis=0), column, axis=1)  # [2H, D]
+    w = (op.CastLike(values, X) - offset) * scales                                  # w' = q * scale
+    w_in = op.Slice(w, [0], H, [0])
+    w_out = op.Slice(w, H, H + H, [0])
+    Y = ContinuousSliceFFN(X, starts, w_in, b_in, w_out, b_out, slice_width=slice_width, activation=activation)
+    return Y + penalty
 
 
-def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False):
-    """A one-node ONNX model of the op, every input of free shape (tests, fuzzing, benchmarks).
+FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN)}
+
+
+def ir_functions(opset: int, op_type: str = OP_TYPE) -> list:
+    """The functions a model of this opset needs for op_type (the quantized one calls the float
+    one), as onnx_ir Functions (the checker wants a function's default opset to match the
+    model's; every op here means the same from 18 on, later opsets only add types)."""
+    functions = [ir.serde.deserialize_function(f.to_function_proto()) for f in FUNCTIONS[op_type]]
+    for function in functions:
+        function.opset_imports[""] = opset
+    return functions
+
+
+def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False,
+             bits: Optional[int] = None, block_size: int = DEFAULT_BLOCK_SIZE):
+    """A one-node ONNX model of the op, every input of free shape (tests, fuzzing, benchmarks);
+    with bits, of the quantized op (SPEC §6).
 
     with_function attaches the standard-op fallback function, which onnxruntime runs when the
     kernel library is not registered."""
     elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
-    names = ["X", "starts", "w_in", "b_in", "w_out", "b_out"]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "starts" else elem, None) for n in names]
-    node = helper.make_node(OP_TYPE, names, ["Y"], domain=DOMAIN, slice_width=slice_width, activation=activation,
-                            plugin_namespace=DOMAIN, plugin_version=str(OP_VERSION))
+    op_type = OP_TYPE if bits is None else Q_OP_TYPE
+    names = ["X", "starts", "w_in", "b_in", "w_out", "b_out"] if bits is None else \
+        ["X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out"]
+    types = {"starts": TensorProto.INT64, "w_in_q": TensorProto.UINT8, "w_out_q": TensorProto.UINT8}
+    inputs = [helper.make_tensor_value_info(n, types.get(n, elem), None) for n in names]
+    quantized = {} if bits is None else dict(bits=bits, block_size=block_size)
+    node = helper.make_node(op_type, names, ["Y"], domain=DOMAIN, slice_width=slice_width, activation=activation,
+                            plugin_namespace=DOMAIN, plugin_version=str(OP_VERSION), **quantized)
     graph = helper.make_graph([node], "continuous_slice_ffn", inputs, [helper.make_tensor_value_info("Y", elem, None)])
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
-    functions = [ContinuousSliceFFN.to_function_proto()] if with_function else []
+    functions = [f.to_function_proto() for f in FUNCTIONS[op_type]] if with_function else []
     # IR 10 is read by every onnxruntime this project supports (>= 1.20).
     return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

@@ -20,10 +20,11 @@ from typing import Dict, List, Optional, Union
 import onnx
 import onnx_ir as ir
 
-from ..contract import DOMAIN, OP_TYPE, DecoderIO, folder_metadata, load_graph
+from ..contract import DOMAIN, OP_TYPE, DecoderIO, custom_op_type, folder_metadata, load_graph
+from ..quant import Q_OP_TYPE
 from ..errors import InfMoEError
 from .exporter import save_model
-from .function import ir_function
+from .function import ir_functions
 
 
 @dataclass
@@ -96,8 +97,8 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
     decoder_io = None
     if source != "missing":
         decoder_io = DecoderIO.from_metadata(metadata)
-    op_nodes = sum(1 for node in graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE)
-    has_function = any(f.domain == DOMAIN and f.name == OP_TYPE for f in proto.functions)
+    op_nodes = sum(1 for node in graph.node if node.domain == DOMAIN and node.op_type in (OP_TYPE, Q_OP_TYPE))
+    has_function = any(f.domain == DOMAIN and f.name == custom_op_type(graph.node) for f in proto.functions)
     claims = metadata.get("infmoe.has_function") == "1"
     unnamed = [t.name for t in graph.initializer
                if (t.name.startswith("val_") or t.name.startswith("onnx::")) and _numel(t) > 1]
@@ -164,8 +165,8 @@ def repair_model(path: Union[str, os.PathLike], out: Union[str, os.PathLike]) ->
     added = bool(found.op_nodes and not found.has_function)
     if added:
         opset = model.opset_imports.get("", 18)
-        function = ir_function(opset)
-        model.functions[function.identifier()] = function
+        for function in ir_functions(opset, custom_op_type(model.graph)):
+            model.functions[function.identifier()] = function
         model.opset_imports.setdefault(DOMAIN, 1)
         done.append(f"added the fallback function (opset {opset})")
     metadata["infmoe.has_function"] = str(int(found.has_function or added))

@@ -32,6 +32,20 @@ def default_providers() -> list:
     return [p for p in PROVIDER_ORDER if p in available] or ["CPUExecutionProvider"]
 
 
+# onnxruntime fuses DequantizeLinear + MatMul (an export's --quantize-other) into MatMulNBits and
+# by default rounds that MatMul's activations to int8 (accuracy level 4): ~1e-3 off the level-1
+# reference (SPEC §6, docs/quantization.md). Level 1 keeps them float32; weights stay 4 / 8 bit.
+MATMULNBITS_ACCURACY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def _float_matmulnbits(options: ort.SessionOptions):
+    """Float32 activations in fused MatMulNBits, unless the caller's options chose a level."""
+    try:
+        options.get_session_config_entry(MATMULNBITS_ACCURACY)
+    except RuntimeError:  # not set
+        options.add_session_config_entry(MATMULNBITS_ACCURACY, "1")
+
+
 def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool = True,
                    providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
                    options: Optional[ort.SessionOptions] = None) -> ort.InferenceSession:
@@ -40,6 +54,7 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
     if not isinstance(model, ExportedModel):
         model = ExportedModel.read(model)
     options = options or ort.SessionOptions()
+    _float_matmulnbits(options)
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
     registered = kernel and ort_kernel.register(options)

@@ -2,7 +2,8 @@
 with the same constructor shape (the model's DecoderIO, then what it runs) and the same `.io`,
 so generation, parity and bench drive any of them.
 
-    torch         the PyTorch reference (torch_runner.TorchRunner)
+    torch         the PyTorch reference (torch_runner.TorchRunner); for an int8 / int4 model the
+                  dequantized weights, the level-1 reference (SPEC §6)
     ort           onnxruntime with the compiled ContinuousSliceFFN kernel (ort.OrtRunner)
     ort-fallback  onnxruntime running the model's ONNX fallback function (standard ops only)
     trt           a TensorRT engine per K with the Triton-based plugin (tensorrt.TrtRunner)

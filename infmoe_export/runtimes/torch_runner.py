@@ -2,6 +2,9 @@
 
 So Polygraphy's Comparator and data loaders treat the reference like any other backend:
 infer() takes the ONNX inputs (numpy) and returns the ONNX outputs (numpy, fp32).
+
+For an int8 / int4 model it runs the model with the dequantized weights w' (SPEC §6): the
+level-1 reference that every quantized backend must match with the float tolerances.
 """
 
 import time
@@ -17,6 +20,7 @@ from polygraphy.datatype import DataType
 from ..contract import DecoderIO
 from ..errors import InfMoEError
 from ..model import InfMoEGPT
+from ..quant import dequantized_model
 
 
 class TorchRunner(BaseRunner):
@@ -26,6 +30,8 @@ class TorchRunner(BaseRunner):
         super().__init__(name=name, prefix="torch-runner")
         if decoder_io.config != model.config:
             raise InfMoEError("the PyTorch model's config differs from the exported model's")
+        if decoder_io.quantized:
+            model = dequantized_model(model, decoder_io.bits, decoder_io.block_size, decoder_io.other_bits)
         self.model = model.eval()
         self.io = decoder_io
 

@@ -17,33 +17,38 @@ several percent of a short test); what fails is a disagreement at a row's *first
 layer that rounding cannot explain: the reference's position more than BOUNDARY_TOLERANCE x
 (H - r + 1) units outside the window onnxruntime chose.
 
+An int8 / int4 export (SPEC §6) is checked the same way against the reference on the
+dequantized weights w' (level 1, the float tolerances), and its distance from the float32
+reference on the same inputs is reported beside it (level 2: logit error, top-1 and start
+agreement; quality.py scores it on text).
+
 On failure the exported file is kept (as Optimum does): it is a complete model, useful to
 inspect, and the error names it.
 """
 
+import contextlib
+import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 import numpy as np
-import onnx
 import torch
-from onnx import TensorProto, helper
 
-from ..contract import DOMAIN, OP_TYPE, DecoderIO, ExportedModel
+from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..model import InfMoEGPT
-from ..runtimes.ort import create_session
 from ..runtimes.torch_runner import TorchRunner
+from .quality import Agreement, float_reference, starts_session
 
 # fp32: float32 rounding through the layers is ~1e-6; 1e-4 is the project's bound. fp16 (the
 # expert part, docs/export.md): 11-bit products reach ~1e-2 on logits of order 1-10.
-DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2}
+# int8 / int4: activations are float32 and the reference has the same w', so fp32's bound.
+DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2, "int8": 1e-4, "int4": 1e-4}
 # How far sigmoid(z) may move between backends: ~100 float32 ulps at 0.5; for fp16 exports
 # the router's input carries the earlier layers' fp16 FFN outputs.
-BOUNDARY_TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3}
+BOUNDARY_TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "int8": 1e-5, "int4": 1e-5}
 
 
 @dataclass
@@ -65,6 +70,7 @@ class ValidationReport:
     start_agreement: Optional[float] = None   # None: a dense model has no starts to compare
     boundary_cases: int = 0                   # first-layer disagreements explained by rounding
     problems: List[str] = field(default_factory=list)
+    level2: Optional[dict] = None             # quantized exports: against the float32 reference, not judged
 
     @property
     def passed(self) -> bool:
@@ -82,22 +88,13 @@ class ValidationReport:
             table.add_row(c.step, c.name, "x".join(map(str, c.shape)), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
                           "n/a" if np.isnan(c.max_abs_agreeing) else f"{c.max_abs_agreeing:.3g}",
                           "ok" if c.ok else "[red]FAIL[/red]")
+        if self.level2:
+            starts = self.level2["start_agreement"]
+            table.caption = (f"level 1 above (vs the dequantized reference); level 2, vs float32, not judged: "
+                             f"logits max abs {self.level2['logit_error']['max']:.3g}, top-1 agreement "
+                             f"{100 * self.level2['top1_agreement']:.1f}%"
+                             + ("" if starts is None else f", starts agree {100 * starts:.2f}%"))
         return table
-
-
-def _with_starts_outputs(path: Path, decoder_io: DecoderIO) -> Optional[Path]:
-    """A sibling copy of the model whose outputs include every layer's starts (None if it
-    already has them). Beside the original so that external data still resolves."""
-    model = onnx.load(str(path), load_external_data=False)
-    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
-    if decoder_io.with_starts or not nodes:
-        return None
-    for node in nodes:  # the exporter emits them in layer order
-        model.graph.output.append(helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None))
-    fd, copy = tempfile.mkstemp(prefix=f".{path.name}.validate.", suffix=".onnx", dir=path.parent)
-    os.close(fd)
-    onnx.save(model, copy)
-    return Path(copy)
 
 
 def _compare(report: ValidationReport, step: str, decoder_io: DecoderIO, expected: Dict[str, np.ndarray],
@@ -156,17 +153,18 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     if decoder_io.config != model.config:
         raise InfMoEError(f"{path} was exported from a different model config than the one given")
     report = ValidationReport(path, DEFAULT_ATOL[decoder_io.dtype] if atol is None else atol)
-    copy = _with_starts_outputs(path, decoder_io)
+    # The level-1 reference: for a quantized export, the model on w' (TorchRunner dequantizes).
+    reference = TorchRunner(dataclasses.replace(decoder_io, with_starts=True), model)
     positions = {}  # layer -> the reference's continuous start positions, from a router hook
     hooks = [block.moe.router.register_forward_hook(
         lambda module, args, z, layer=layer: positions.__setitem__(layer, z.detach().double()))
-        for layer, block in enumerate(model.h)]
+        for layer, block in enumerate(reference.model.h)]
     counts = []
+    level2 = Agreement() if decoder_io.quantized else None
     try:
-        session = create_session(copy or exported, kernel=kernel, providers=providers)
+        session, names = starts_session(exported, kernel=kernel, providers=providers)
         _check_dims(report, session, decoder_io)
-        names = [o.name for o in session.get_outputs()]
-        reference = TorchRunner(DecoderIO(decoder_io.config, decoder_io.k, decoder_io.noise, decoder_io.past, with_starts=True), model)
+        float32 = float_reference(model, decoder_io) if level2 else None
 
         def check(step, feed):
             actual = dict(zip(names, session.run(None, dict(feed))))
@@ -178,9 +176,14 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
             if starts:
                 counts.append(_check_starts(report, step, decoder_io, expected, starts, positions,
                                             feed["attention_mask"]))
+            if level2:
+                unquantized = float32.infer(feed, check_inputs=False)
+                layers = range(decoder_io.config.n_layer)
+                level2.add(unquantized["logits"], actual["logits"], [unquantized[f"expert_starts.{i}"] for i in layers],
+                           starts, feed["attention_mask"][:, -feed["input_ids"].shape[1]:])
             return expected
 
-        with reference:
+        with reference, float32 or contextlib.nullcontext():
             prefill = decoder_io.dummy_inputs(batch=2, sequence=sequence, past_sequence=0, left_pad=2, seed=seed)
             expected = check("prefill", prefill)
             # The second step: one decode token on the reference's cache, or (no past) a new
@@ -197,12 +200,12 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     finally:
         for hook in hooks:
             hook.remove()
-        if copy is not None:
-            copy.unlink()
 
     if counts:
         same, total = map(sum, zip(*counts))
         report.start_agreement = same / total
+    if level2:
+        report.level2 = level2.summary()
     if raise_on_failure and not report.passed:
         raise InfMoEError(f"validation of {path} failed (file kept): {report.problems[0]}")
     return report

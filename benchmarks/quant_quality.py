@@ -1,0 +1,59 @@
+"""Issue 10's quality and size figures for docs/quantization.md, on the bundled model.
+
+    .venv/bin/python benchmarks/quant_quality.py [--k 1,2,4,8] [--windows 64] [--json runs/quant_quality.json]
+
+Level 2 (SPEC §6) of each precision against the float32 reference, per K and noise mode, with
+verify/quality.py on full 256-byte windows of the stdlib validation split. The quantized side
+is the PyTorch level-1 reference (the model on w'), which every export matches within the float
+tolerances (validate.py checks each one); the file sizes are real exports.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from infmoe_export.checkpoint import load_checkpoint
+from infmoe_export.contract import DecoderIO
+from infmoe_export.export import export_onnx
+from infmoe_export.files import atomic_write
+from infmoe_export.runtimes.torch_runner import TorchRunner
+from infmoe_export.verify.quality import quality_vs_float
+
+# (experts, other matrices): every precision the docs report.
+SETTINGS = [("int8", "none"), ("int4", "none"), ("int4", "int4")]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", default="1,2,4,8")
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    model = load_checkpoint(None)
+    rows = []
+    for noise in ("quantile", "sampled"):
+        for k in map(int, args.k.split(",")):
+            for dtype, other in SETTINGS:
+                io = DecoderIO(model.config, k, noise, with_starts=True, dtype=dtype, quantize_other=other)
+                row = quality_vs_float(model, TorchRunner(io, model), max_windows=args.windows)
+                rows.append(row)
+                print(f"| {noise} | {k} | {dtype} | {other} | {row['perplexity_float']:.4f} | {row['perplexity']:.4f} | "
+                      f"{row['perplexity_increase_pct']:+.2f}% | {100 * row['top1_agreement']:.1f}% | "
+                      f"{100 * row['start_agreement']:.1f}% | {row['logit_error']['p50']:.3f} | "
+                      f"{row['logit_error']['p99']:.3f} |", flush=True)
+    sizes = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for dtype, other in [("fp32", "none"), ("fp16", "none"), *SETTINGS]:
+            path = export_onnx(model, Path(scratch) / f"{dtype}_{other}.onnx", dtype=dtype, quantize_other=other).path
+            sizes[f"{dtype}/{other}"] = path.stat().st_size
+    for name, size in sizes.items():
+        print(f"| {name} | {size / 1e6:.2f} MB | {size / sizes['fp32/none']:.3f}x |")
+    if args.json:
+        atomic_write(args.json, json.dumps({"quality": rows, "sizes": sizes}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
