@@ -390,6 +390,29 @@ def test_manifest_picks_by_k_and_precision(q_exports, tmp_path):
         manifest.select_engine(read, 2, "fp16")
 
 
+def test_build_engines_names_and_records_each_precision(q_exports, tmp_path, monkeypatch):
+    """build_engines around the TensorRT build itself (stood in for: no TensorRT here)."""
+    monkeypatch.setattr(build, "require_tensorrt", lambda: "10.13.0")
+    monkeypatch.setattr(build, "register_plugin", lambda: None)
+    monkeypatch.setattr(build, "gpu_name", lambda: "NVIDIA H200")
+    built = []
+
+    def fake_build(model, engine_path, profiles, timing_cache, jit):
+        built.append((model.io.dtype, engine_path.name, [p["name"] for p in profiles]))
+        engine_path.write_bytes(b"placeholder")
+
+    monkeypatch.setattr(build, "build_engine", fake_build)
+    paths = [q_exports["int4"].path, q_exports["int8"].path]
+    path = build.build_engines(build.plan_models(paths, None), tmp_path, tmp_path / "t.cache", 1, 8, jit=False)
+    assert built == [("int8", "model_k2_int8.engine", ["prefill", "decode"]),
+                     ("int4", "model_k2_int4.engine", ["prefill", "decode"])]
+    read = manifest.read_manifest(path)
+    assert [(e["k"], e["precision"], e["file"]) for e in read["engines"]] == [
+        (2, "int8", "model_k2_int8.engine"), (2, "int4", "model_k2_int4.engine")]
+    entry = manifest.select_engine(read, 2, "int4")
+    assert entry["metadata"]["infmoe.block_size"] == "16" and entry["metadata"]["infmoe.dtype"] == "int4"
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda engines: engines[0].update(precision="int3"), "engine 0 has precision 'int3'"),
     (lambda engines: engines.append(dict(engines[0])), "two engines for K=2 int4"),

@@ -67,27 +67,27 @@ def build_engine(model: ExportedModel, engine_path: Path, profiles: List[dict], 
     return atomic_write(engine_path, bytes(serialized))
 
 
-def build_engines(models: Dict[Tuple[int, str], ExportedModel], out: Path, timing_cache: Path, max_batch: int,
+def build_engines(models: Dict[object, ExportedModel], out: Path, timing_cache: Path, max_batch: int,
                   max_seq: Optional[int], jit: bool, progress=None) -> Path:
-    """One engine per (K, precision) into out, model_k{K}_{precision}.engine, then the manifest;
-    returns the manifest's path. Every model is checked (plugin nodes, profiles) before the
-    first build."""
+    """One engine per model into out, model_k{K}_{precision}.engine with the model's K and
+    precision (the keys are the caller's, e.g. plan_models'), then the manifest; returns the
+    manifest's path. Every model is checked (plugin nodes, profiles) before the first build."""
     version = require_tensorrt()
-    profiles = {}
-    for key, model in models.items():
+    profiles = []
+    for model in models.values():
         plugin_model(model)
-        profiles[key] = profile_shapes(model.io, max_batch,
-                                       model.io.config.n_positions if max_seq is None else max_seq)
+        profiles.append(profile_shapes(model.io, max_batch,
+                                       model.io.config.n_positions if max_seq is None else max_seq))
     if jit:
         require_cuda_torch()
     register_plugin()
     gpu = gpu_name()
     out = Path(out)
     entries = []
-    for (k, precision), model in models.items():
-        file = engine_file(k, precision)
+    for model, model_profiles in zip(models.values(), profiles):
+        file = engine_file(model.k, model.io.dtype)
         if progress:
-            progress(f"K={k} {precision}")
-        build_engine(model, out / file, profiles[k, precision], timing_cache, jit)
-        entries.append(engine_entry(file, model, "jit" if jit else "aot", profiles[k, precision], version, gpu))
+            progress(f"K={model.k} {model.io.dtype}")
+        build_engine(model, out / file, model_profiles, timing_cache, jit)
+        entries.append(engine_entry(file, model, "jit" if jit else "aot", model_profiles, version, gpu))
     return write_manifest(out, entries)
