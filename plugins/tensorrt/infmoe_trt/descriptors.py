@@ -31,7 +31,6 @@ FLOAT_OP = Op("infmoe::ContinuousSliceFFN", ("X", "starts", "w_in", "b_in", "w_o
 Q_OP = Op(f"infmoe::{Q_OP_TYPE}", ("X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out"),
           {"w_in_q": 2, "w_in_scale": 2, "b_in": 1, "w_out_q": 2, "w_out_scale": 2, "b_out": 1},
           ("w_in_q", "w_out_q"))
-PLUGIN_ID, INPUTS, WEIGHT_RANKS = FLOAT_OP.plugin_id, FLOAT_OP.inputs, FLOAT_OP.weight_ranks
 
 
 def attribute_text(value: str) -> str:
