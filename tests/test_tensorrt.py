@@ -554,6 +554,15 @@ def test_node_without_plugin_attributes_is_refused(plugin_export, tmp_path):
         network.plugin_model(ExportedModel.read(tmp_path / "no_namespace.onnx"))
 
 
+def test_onnxruntime_target_is_refused(plugin_export):
+    import dataclasses
+
+    ort_target = ExportedModel(plugin_export.path, dataclasses.replace(plugin_export.io, target="onnxruntime"),
+                               plugin_export.metadata)
+    with pytest.raises(InfMoEError, match="exported for onnxruntime .*--target tensorrt --no-function"):
+        network.plugin_model(ort_target)
+
+
 def test_plan_models_takes_each_models_fixed_k_and_precision(plugin_export):
     path = plugin_export.path
     assert {key: m.path for key, m in build.plan_models([path], None).items()} == {(2, "fp32"): path}

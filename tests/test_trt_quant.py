@@ -462,3 +462,27 @@ def test_quantized_engines_match_the_level1_reference(q_model, q_exports, tmp_pa
                 ref_step = reference(torch.from_numpy(feed["input_ids"][:, -1:]), torch.from_numpy(mask),
                                      ref.present, k=2)
             np.testing.assert_allclose(step["logits"], ref_step.logits.numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_trt_exports_every_k_and_precision_for_tensorrt(make_checkpoint, tmp_path, monkeypatch, run_cli):
+    """`trt --dtype fp32,int4` from a checkpoint, up to the build (stood in for: no TensorRT)."""
+    from infmoe_export.commands import trt as trt_command
+
+    planned = {}
+    monkeypatch.setattr(trt_command, "require_tensorrt", lambda: "10.13.0")
+
+    def fake_build(models, out, timing_cache, max_batch, max_seq, jit, progress=None):
+        planned.update(models)
+        return out / "manifest.json"
+
+    monkeypatch.setattr(trt_command, "build_engines", fake_build)
+    code, _, err = run_cli("trt", "--checkpoint", make_checkpoint(), "--out", tmp_path / "engines", "--k", "1,2",
+                           "--dtype", "int4,fp32", "--block-size", "16")
+    assert code == 0, err
+    assert list(planned) == [(1, "fp32"), (2, "fp32"), (1, "int4"), (2, "int4")]
+    for (k, dtype), model in planned.items():
+        assert (model.k, model.io.dtype, model.io.target) == (k, dtype, "tensorrt")
+        assert model.path.parent == tmp_path / "engines" / "onnx" / dtype
+        assert not onnx.load(str(model.path), load_external_data=False).functions  # the parser must find the plugin
+    assert planned[1, "int4"].io.block_size == 16
+    network.plugin_model(planned[2, "int4"])  # what the build would hand the parser

@@ -71,7 +71,7 @@ def trt_command(models, checkpoint, ks, dtypes, block_size, out, timing_cache, m
             for dtype in dtypes or ["fp32"]:
                 exported = export_many(source, out / "onnx" / dtype, ks or list(DEFAULT_KS), dtype=dtype,
                                        block_size=block_size or DEFAULT_BLOCK_SIZE, function=False,
-                                       with_starts=with_starts)
+                                       with_starts=with_starts, target="tensorrt")
                 planned.update({(model.k, dtype): model for model in exported})
         cache = Path(timing_cache) if timing_cache else out / "timing.cache"
         manifest = build_engines(planned, out, cache, max_batch, max_seq, jit,

@@ -111,6 +111,9 @@ def pin_expert_budget(model: onnx.ModelProto, k: int, path) -> int:
 def plugin_model(exported: ExportedModel) -> onnx.ModelProto:
     """The exported model as TensorRT's parser gets it: checked, K pinned, packed weights int8;
     weights stay where they are (external data is read by the parser next to exported.path)."""
+    if exported.io.target == "onnxruntime":
+        raise InfMoEError(f"{exported.path} was exported for onnxruntime (com.microsoft ops, which TensorRT's parser "
+                          "does not know): export it with `infmoe-export onnx --target tensorrt --no-function`")
     model = onnx.load(str(exported.path), load_external_data=False)
     retype_packed_weights(model, plugin_nodes(model, exported.path), exported.path)
     pin_expert_budget(model, exported.k, exported.path)
