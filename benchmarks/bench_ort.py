@@ -58,11 +58,11 @@ def decode_bytes(model: InfMoEGPT, k: int, past: int = PAST) -> int:
 
 
 def timings(runner_backend, model, torch_model, warmup, iters):
-    """(decode ms/token p50, prefill tokens/s) of one backend on one model."""
+    """(decode ms/token median, prefill tokens/s) of one backend on one model."""
     with make_runner(runner_backend, model, torch_model) as runner:
         decode = measure(runner, model, 1, 1, PAST, warmup, iters)
         prefill = measure(runner, model, 1, PREFILL, 0, 1, max(3, iters // 4))
-    return decode["latency_ms"]["p50"], prefill["tokens_per_s"]
+    return decode["latency_ms"]["median"], prefill["tokens_per_s"]
 
 
 def main():

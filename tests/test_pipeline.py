@@ -1,5 +1,6 @@
 """`infmoe-export pipeline` end to end on a small random odd-shaped checkpoint (one K, both
-noise modes), through the installed console script; and its failure paths in-process."""
+noise modes) with a dense baseline, through the installed console script; and its failure paths
+in-process."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ from infmoe_export.report.render import validate_report
 
 CONFIG = InfMoEConfig(vocab_size=256, n_positions=33, d_model=20, n_layer=2, n_head=2, ffn_hidden=29,
                       slice_width=7, num_samples=2)
-FAST = ["--max-windows", "2", "--iters", "3", "--warmup", "1", "--threads", "1"]
+FAST = ["--max-windows", "2", "--iters", "10", "--budget", "0.1", "--warmup", "1", "--threads", "1", "--dtype", "fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,13 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(checkpoint):
+    dense = InfMoEGPT(InfMoEConfig(**{**CONFIG.to_dict(), "slice_width": CONFIG.ffn_hidden, "num_samples": 1}))
+    dense.reset_parameters(seed=4)
+    baseline = save_checkpoint(dense, checkpoint.parent / "dense-H")
     out = checkpoint.parent / "out"
     result = subprocess.run([str(Path(sys.executable).parent / "infmoe-export"), "pipeline", "--checkpoint",
-                             str(checkpoint), "--out", str(out), "--k", "2", *FAST],
-                            capture_output=True, text=True, timeout=600)
+                             str(checkpoint), "--out", str(out), "--k", "2", "--baseline",
+                             str(baseline), *FAST], capture_output=True, text=True, timeout=900)
     return result, out
 
 
@@ -38,11 +42,18 @@ def test_pipeline_succeeds_and_writes_reports(run):
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert f"report: {out / 'report.html'}" in result.stdout
-    assert "infmoe-export pipeline: PASSED" in result.stdout  # the rich summary table's title
-    assert sorted(p.name for p in out.iterdir()) == [".infmoe-export", "models", "report.html", "report.json",
-                                                     "report.md", "tradeoff.png"]
+    # The terminal in the report's order: headline, verdict lines, recommendation, table.
+    lines = result.stdout.splitlines()
+    headline = lines.index("infmoe-export pipeline: PASSED")
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("✓ ort-fallback fp32: passed"))
+    best = next(i for i, line in enumerate(lines) if line.startswith("Fastest within the parity budget"))
+    table = next(i for i, line in enumerate(lines) if "Trade-off" in line)
+    assert headline < verdict < best < table
+    assert sorted(p.name for p in out.iterdir()) == [".infmoe-export", "baselines", "models", "report.html",
+                                                     "report.json", "report.md", "tradeoff.png"]
     assert not [p for p in out.parent.iterdir() if ".staging." in p.name]  # the staging folder was published
-    assert sorted(p.name for p in (out / "models").iterdir()) == ["model_k2_quantile.onnx", "model_k2_sampled.onnx"]
+    assert sorted(p.name for p in (out / "models" / "fp32").iterdir()) == ["model_k2_quantile.onnx",
+                                                                          "model_k2_sampled.onnx"]
 
 
 def test_pipeline_report_content(run):
@@ -50,7 +61,8 @@ def test_pipeline_report_content(run):
     report = json.loads((out / "report.json").read_text())
     validate_report(report)
     assert report["kind"] == "pipeline" and report["passed"] and report["failures"] == []
-    assert [s["name"] for s in report["stages"]] == ["export", "validate", "tensorrt", "parity", "latency"]
+    assert [s["name"] for s in report["stages"]] == ["export", "validate", "tensorrt", "baselines", "parity", "latency",
+                                                     "memory"]
     assert all(s["status"] in ("ok", "skipped") and s["seconds"] >= 0 for s in report["stages"])
     parity = [r for r in report["parity"]["results"] if r["status"] not in ("reference", "skipped")]
     assert {(r["backend"], r["noise"]) for r in parity} >= {("ort-fallback", "quantile"), ("ort-fallback", "sampled")}
@@ -58,8 +70,14 @@ def test_pipeline_report_content(run):
     tradeoff = {(r["backend"], r["noise"]): r for r in report["tradeoff"]}
     for noise in ("quantile", "sampled"):
         row = tradeoff[("ort-fallback", noise)]
-        assert row["k"] == 2 and row["perplexity"] > 1 and row["decode_ms_p50"] > 0
+        assert row["k"] == 2 and row["perplexity"] > 1 and row["decode_ms"]["median"] > 0 and row["dtype"] == "fp32"
     assert tradeoff[("ort-fallback", "quantile")]["prefill_tokens_per_s"] > 0
+    baseline, = report["baselines"]
+    assert baseline["name"] == "dense-H" and baseline["ffn_hidden"] == baseline["slice_width"] == CONFIG.ffn_hidden
+    assert baseline["perplexity"] > 1 and baseline["decode_ms"]["median"] > 0
+    memory = {r["backend"]: r for r in report["memory"]["results"]}
+    assert memory["ort-fallback"]["status"] == "ok" and memory["ort-fallback"]["peak_rss_bytes"] > 0
+    assert "**Baselines**" in (out / "report.md").read_text()
 
 
 def test_pipeline_says_once_when_tensorrt_is_absent(run):
@@ -86,11 +104,11 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
     monkeypatch.setattr(parity, "polygraphy_passes", lambda *args: False)
     threads = torch.get_num_threads()
     status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
-                         "--k", "1", "--noise", "quantile", *FAST)
+                         "--k", "1", "--noise", "quantile", "--no-baselines", *FAST)
     torch.set_num_threads(threads)
     assert status == 1
     assert err.strip().splitlines()[-1].startswith("error: parity failed for ")
-    assert "ort-fallback K=1 quantile: logits beyond atol" in err
+    assert "ort-fallback fp32 K=1 quantile: logits beyond atol" in err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert not report["passed"] and next(s for s in report["stages"] if s["name"] == "parity")["status"] == "failed"
 
@@ -99,6 +117,8 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
     (["--k", "0"], "--k must be a comma-separated list of positive integers"),
     (["--noise", "gaussian"], "--noise must be a comma-separated subset of quantile, sampled"),
     (["--checkpoint", "/nonexistent"], "is not a checkpoint"),
+    (["--dtype", "fp64"], "--dtype must be a comma-separated subset of fp32, fp16, int8, int4"),
+    (["--baseline", "/nonexistent"], "is not a checkpoint"),
 ])
 def test_pipeline_bad_input_is_one_line(tmp_path, run_cli, args, message):
     status, _, err = run_cli("pipeline", "--out", str(tmp_path / "out"), *args)

@@ -1,4 +1,4 @@
-"""`infmoe-export bench`: latency, throughput and memory per backend and K."""
+"""`infmoe-export bench`: latency, throughput and memory per backend, precision and K."""
 
 import json
 import sys
@@ -12,10 +12,12 @@ from rich.console import Console
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..export import export_many
 from ..files import atomic_write, output_file
-from ..options import THREADS, check_forward_memory, positive_ints
-from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
-from ..report.render import build_report, rich_table, tables, validate_report
-from ..report.timing import environment
+from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
+from ..quant import DEFAULT_BLOCK_SIZE
+from ..report.bench import DEFAULT_PAST, check_shapes, export_options, parse_precisions, run_bench
+from ..report.memory import run_memory
+from ..report.render import build_report, print_summary, validate_report
+from ..report.timing import REL_CI, environment
 from ..runtimes import registry
 
 
@@ -28,20 +30,31 @@ from ..runtimes import registry
 @click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
 @click.option("--noise", type=click.Choice(("quantile", "sampled")), default="quantile", show_default=True,
               help="Noise mode of the models exported when no --model is given.")
+@click.option("--dtype", "dtype_list", default="fp32", show_default=True,
+              help="Precisions of the models exported when no --model is given, comma-separated.")
+@click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
+              help="Quantization block size of int8 / int4.")
 @click.option("--batch", "batch_list", default="1,4", show_default=True, help="Batch sizes, comma-separated.")
 @click.option("--seq", "seq_list", default="1,128", show_default=True,
               help="Sequence lengths: 1 = one decode step with a KV cache of --past tokens, >1 = prefill.")
 @click.option("--past", type=click.IntRange(min=1), default=DEFAULT_PAST, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
-@click.option("--iters", type=click.IntRange(min=1), default=30, show_default=True)
+@click.option("--iters", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Timed calls per configuration at most.")
+@click.option("--budget", "budget_s", type=FiniteFloat(min=0.01), default=2.0, show_default=True,
+              help="Seconds of interleaved timing per configuration at most.")
+@click.option("--rel-ci", type=FiniteFloat(min=0.0001), default=REL_CI, show_default=True,
+              help="Stop once every median's 95%% interval is within this fraction of it.")
+@click.option("--memory", is_flag=True, help="Also measure memory per backend and precision, each in a fresh process.")
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime (default: their own defaults).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write the results (report schema) here.")
-def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, batch_list, seq_list, past, warmup,
-                  iters, threads, json_path):
-    """Latency, throughput and memory per backend and K."""
+def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dtype_list, block_size, batch_list,
+                  seq_list, past, warmup, iters, budget_s, rel_ci, memory, threads, json_path):
+    """Latency, throughput and memory per backend, precision and K."""
     backends = registry.parse_backends(backend_list)
     ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
+    dtypes = parse_precisions(dtype_list, block_size)
     inputs = [checkpoint or DEFAULT_CHECKPOINT, *model_paths, engines]
     if json_path:
         output_file(json_path, inputs=inputs)
@@ -55,14 +68,19 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, bat
             models = registry.find_models(model_paths, ks=ks)
             registry.check_models(models, torch_model.config)
         else:
-            models = export_many(torch_model, scratch, ks, (noise,))
+            models = [m for dtype in dtypes for m in export_many(torch_model, Path(scratch) / dtype, ks, (noise,),
+                                                                 **export_options(dtype, block_size))]
+        engines = Path(engines) if engines else None
         bench = run_bench(torch_model, models, backends=backends, batches=batches, seqs=seqs, past=past,
-                          warmup=warmup, iters=iters, engines=Path(engines) if engines else None, threads=threads)
+                          warmup=warmup, iters=iters, budget_s=budget_s, rel_ci=rel_ci, engines=engines,
+                          threads=threads)
+        memory = run_memory(torch_model, models, backends=backends, checkpoint=checkpoint, past=past, threads=threads,
+                            engines=engines) if memory else None
     report = build_report("bench", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
-                          torch_model.config.to_dict(), environment(threads), bench=bench)
+                          torch_model.config.to_dict(), environment(threads), bench=bench, memory=memory)
     validate_report(report)
     console = Console()
-    console.print(rich_table(next(t for t in tables(report) if t.title == "Latency")))
+    print_summary(console, report)
     if json_path:
         atomic_write(output_file(json_path, inputs=inputs), json.dumps(report, indent=2, allow_nan=False) + "\n")
         console.print(f"results: {json_path}", markup=False)

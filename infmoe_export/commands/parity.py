@@ -10,11 +10,11 @@ from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..errors import InfMoEError
 from ..options import SEED, FiniteFloat, check_forward_memory, positive_ints
 from ..files import locked, output_dir
-from ..report.render import build_report, summary_table, write_report
+from ..report.render import build_report, print_summary, write_report
 from ..report.timing import environment
 from ..runtimes import registry
-from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_START_AGREEMENT, DEFAULT_RTOL,
-                             BATCH_SIZE, failure_line, run_parity)
+from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_START_AGREEMENT,
+                             DEFAULT_MIN_TOP1, DEFAULT_RTOL, BATCH_SIZE, failure_line, run_parity)
 
 
 @click.command("parity")
@@ -32,12 +32,16 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_STAR
 @click.option("--rtol", type=FiniteFloat(min=0), default=DEFAULT_RTOL, show_default=True)
 @click.option("--min-start-agreement", type=click.FloatRange(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
               show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
+@click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
+              help="Level-2 budget: perplexity increase over the float model, in percent.")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
+              help="Level-2 budget: least share of tokens whose top-1 agrees with the float model's.")
 @click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
               help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled noise.")
 def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_list, atol, rtol,
-                   min_start_agreement, max_windows, seed):
-    """Parity of every backend against the PyTorch reference (SPEC §5)."""
+                   min_start_agreement, max_ppl_increase, min_top1, max_windows, seed):
+    """Parity of every backend against the PyTorch reference (SPEC §5; two levels for quantized models, §6)."""
     backends = registry.parse_backends(backend_list, allow_torch=False)
     out = output_dir(out, inputs=[checkpoint or DEFAULT_CHECKPOINT, *model_paths, *texts, engines])
     torch_model = load_checkpoint(checkpoint)
@@ -47,14 +51,15 @@ def parity_command(checkpoint, model_paths, engines, texts, out, ks, backend_lis
     registry.check_models(models, torch_model.config)
     parity = run_parity(torch_model, models, backends=backends, engines=Path(engines) if engines else None,
                         texts=texts, max_windows=max_windows, atol=atol, rtol=rtol,
-                        min_start_agreement=min_start_agreement, seed=seed)
+                        min_start_agreement=min_start_agreement, max_ppl_increase=max_ppl_increase / 100,
+                        min_top1=min_top1, seed=seed)
     report = build_report("parity", "infmoe-export " + " ".join(sys.argv[1:]),
                           str(checkpoint or DEFAULT_CHECKPOINT), torch_model.config.to_dict(), environment(),
                           parity=parity)
     with locked(out):
         paths = write_report(report, out)
     console = Console()
-    console.print(summary_table(report))
+    print_summary(console, report)
     console.print(f"report: {paths['html']}", markup=False)
     failure = failure_line(parity)
     if failure:

@@ -1,25 +1,61 @@
-"""`infmoe-export bench`: latency percentiles, tokens/s and peak memory per backend × K × batch ×
-sequence length, on real text (the stdlib validation split).
+"""`infmoe-export bench`: latency (median with its confidence interval) and tokens/s per backend ×
+precision × K × batch × sequence length, on real text (the stdlib validation split).
 
 seq 1 is one decode step with a KV cache of --past tokens (the cache comes from a prefill of
 real text, outside the timed calls); seq > 1 is a prefill from an empty cache. Each timed call
-is one runner.infer (Polygraphy, input checks off); see timing.py for what the memory figure is.
+is one runner.infer (Polygraphy, input checks off). Every runner of one (batch, seq) shape is
+timed in the same interleaved loop (timing.interleaved), so their figures are comparable.
 """
 
+import contextlib
+import math
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from ..errors import InfMoEError
 from ..contract import ExportedModel
 from ..runtimes import registry
-from .timing import PeakMemory, latency_summary, time_calls
+from .timing import REL_CI, interleaved, latency_summary, stable
 
 DEFAULT_PAST = 128
-LATENCY_NOTE = "Latency: wall time of one runner.infer call (time.perf_counter)."
-MEMORY_NOTE = ("Peak MiB: rise of the process's peak resident set (VmHWM, reset before the timed calls) over its "
-               "resident set before them: working memory of inference, not the loaded weights.")
+LATENCY_NOTE = ("Latency: wall time of one runner.infer call (time.perf_counter); median with its 95% "
+                "distribution-free interval, every configuration of a shape timed in one interleaved loop. "
+                "≈: within noise of the previous K (the intervals overlap).")
+NO_PAST = "the model has no KV-cache inputs (exported with --no-past)"
+FLOAT_TORCH = ("fp32", "fp16")  # PyTorch runs float weights: a quantized model's reference is no deployment
+
+
+class Baseline(NamedTuple):
+    """A dense baseline checkpoint exported for the trade-off: timed beside the ∞-MoE models."""
+    name: str
+    model: ExportedModel
+    torch_model: object
+
+
+def parse_precisions(text: str, block_size: int, option: str = "--dtype") -> List[str]:
+    """'fp32,int4' -> ['fp32', 'int4'] in quant.PRECISIONS' order, the block size checked when
+    a precision has blocks; one-line errors."""
+    from ..quant import BITS, PRECISIONS, check_block_size
+
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(names - set(PRECISIONS))
+    if not names or unknown:
+        raise InfMoEError(f"{option} must be a comma-separated subset of {', '.join(PRECISIONS)}, got {text!r}")
+    if names & set(BITS):
+        try:
+            check_block_size(block_size)
+        except InfMoEError as error:
+            raise InfMoEError(f"--block-size: {error}") from None
+    return [p for p in PRECISIONS if p in names]
+
+
+def export_options(dtype: str, block_size: int) -> dict:
+    """export_onnx's precision options: the block size only where the precision has blocks."""
+    from ..quant import BITS
+
+    return {"dtype": dtype, **({"block_size": block_size} if dtype in BITS else {})}
 
 
 def text_tokens(count: int) -> np.ndarray:
@@ -40,53 +76,99 @@ def check_shapes(config, seqs: Sequence[int], past: int) -> None:
         raise InfMoEError(f"--past {past} must lie in [1, n_positions - 1 = {config.n_positions - 1}]")
 
 
+def timed_feed(runner, model: ExportedModel, batch: int, seq: int, past: int):
+    """The feed of one timed call: a decode step after a prefill of `past` tokens of real text
+    (run here, untimed) when seq is 1, else a prefill of seq tokens."""
+    if seq > 1:
+        return model.feed(text_tokens(batch * seq).reshape(batch, seq))
+    ids = text_tokens(batch * (past + 1)).reshape(batch, past + 1)
+    cache = runner.infer(model.feed(ids[:, :past]), check_inputs=False)
+    cache = {name: np.array(value) for name, value in cache.items() if name.startswith("present.")}
+    return model.feed(ids[:, past:], past=cache)
+
+
+def blank_row(backend: str, model: ExportedModel, batch: int, seq: int, past: int, baseline=None) -> dict:
+    return {"backend": backend, "k": model.k, "noise": model.noise, "dtype": model.io.dtype, "baseline": baseline,
+            "batch": batch, "seq": seq, "past": past if seq == 1 else 0, "phase": "decode" if seq == 1 else "prefill",
+            "status": "skipped", "reason": None, "iters": None, "stable": None, "latency_ms": None,
+            "tokens_per_s": None}
+
+
+def why_not(backend: str, model: ExportedModel, engines) -> Optional[str]:
+    """Why a backend does not time this model here, or None."""
+    if backend == "torch" and model.io.dtype not in FLOAT_TORCH:
+        return f"PyTorch runs float weights only; its {model.io.dtype} reference is for parity, not speed"
+    return registry.unavailable(backend, model, engines)
+
+
 def measure(runner, model: ExportedModel, batch: int, seq: int, past: int, warmup: int, iters: int,
             budget_s: Optional[float] = None) -> dict:
-    """Time one (batch, seq) configuration on an active runner."""
-    phase = "decode" if seq == 1 else "prefill"
-    row = {"batch": batch, "seq": seq, "past": past if phase == "decode" else 0, "phase": phase,
-           "status": "ok", "reason": None, "iters": None, "latency_ms": None, "tokens_per_s": None,
-           "peak_rss_delta_mib": None}
-    if phase == "decode" and not model.io.past:
-        return {**row, "status": "skipped", "reason": "the model has no KV-cache inputs (exported with --no-past)"}
-    tokens = text_tokens(batch * (past + 1 if phase == "decode" else seq))
-    if phase == "decode":
-        ids = tokens.reshape(batch, past + 1)
-        cache = runner.infer(model.feed(ids[:, :past]), check_inputs=False)
-        cache = {name: np.array(value) for name, value in cache.items() if name.startswith("present.")}
-        feed = model.feed(ids[:, past:], past=cache)
-    else:
-        feed = model.feed(tokens.reshape(batch, seq))
-    with PeakMemory() as peak:
-        seconds = time_calls(lambda: runner.infer(feed, check_inputs=False), warmup, iters, budget_s)
+    """Time one (batch, seq) configuration on an active runner alone (benchmarks/bench_ort.py)."""
+    row = blank_row(runner.name, model, batch, seq, past)
+    if seq == 1 and not model.io.past:
+        return {**row, "reason": NO_PAST}
+    feed = timed_feed(runner, model, batch, seq, past)
+    samples, = interleaved([lambda: runner.infer(feed, check_inputs=False)], warmup=warmup, max_iters=iters,
+                           budget_s=budget_s or math.inf)
+    return finished(row, samples, REL_CI)
+
+
+def finished(row: dict, seconds: List[float], rel_ci: float) -> dict:
     latency = latency_summary(seconds)
-    return {**row, "iters": len(seconds), "latency_ms": latency, "tokens_per_s": batch * seq / (latency["mean"] / 1e3),
-            "peak_rss_delta_mib": peak.delta_mib}
+    return {**row, "status": "ok", "iters": len(seconds), "stable": stable([s * 1e3 for s in seconds], rel_ci),
+            "latency_ms": latency, "tokens_per_s": row["batch"] * row["seq"] / (latency["median"] / 1e3)}
 
 
 def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[str],
               batches: Sequence[int] = (1, 4), seqs: Sequence[int] = (1, 128), past: int = DEFAULT_PAST,
-              warmup: int = 5, iters: int = 30, budget_s: Optional[float] = None, engines: Optional[Path] = None,
-              threads: Optional[int] = None, progress=None) -> dict:
-    """The report's bench section. progress(description) is called before each backend and model;
-    budget_s caps the timed calls of one configuration (timing.time_calls)."""
+              warmup: int = 5, iters: int = 200, budget_s: float = 2.0, rel_ci: float = REL_CI,
+              engines: Optional[Path] = None, threads: Optional[int] = None, baselines: Sequence[Baseline] = (),
+              progress=None) -> dict:
+    """The report's bench section. Every (backend, model) runner stays loaded; per (batch, seq)
+    shape they are timed together, interleaved, for at most budget_s seconds per configuration
+    (timing.interleaved). Baselines are timed on onnxruntime (plain MatMuls) at batch-1 decode.
+    progress(description) is called before each shape."""
     check_shapes(torch_model.config, seqs, past)
-    results = []
-    for model in models:
-        for backend in backends:
+    shapes = [(b, s) for b in batches for s in seqs]
+    results = {}
+    with contextlib.ExitStack() as stack:
+        runners = []  # (row key, runner, model)
+        for model in models:
+            for backend in backends:
+                for batch, seq in shapes:
+                    results[(backend, model.path, batch, seq)] = blank_row(backend, model, batch, seq, past)
+                reason = why_not(backend, model, engines)
+                if reason:
+                    for batch, seq in shapes:
+                        results[(backend, model.path, batch, seq)]["reason"] = reason
+                    continue
+                runners.append((backend, model, None,
+                                stack.enter_context(registry.make_runner(backend, model, torch_model, engines,
+                                                                         threads))))
+        for name, model, base_torch in baselines:
+            results[("ort-fallback", model.path, 1, 1)] = blank_row("ort-fallback", model, 1, 1, past, name)
+            runners.append(("ort-fallback", model, name,
+                            stack.enter_context(registry.make_runner("ort-fallback", model, base_torch, None,
+                                                                     threads))))
+        for batch, seq in shapes:
             if progress:
-                progress(f"{backend} K={model.k} {model.noise}")
-            base = {"backend": backend, "k": model.k, "noise": model.noise}
-            reason = registry.unavailable(backend, model, engines)
-            if reason:
-                results += [{**base, "batch": b, "seq": s, "past": past if s == 1 else 0,
-                             "phase": "decode" if s == 1 else "prefill", "status": "skipped", "reason": reason,
-                             "iters": None, "latency_ms": None, "tokens_per_s": None, "peak_rss_delta_mib": None}
-                            for b in batches for s in seqs]
-                continue
-            with registry.make_runner(backend, model, torch_model, engines, threads) as runner:
-                results += [{**base, **measure(runner, model, b, s, past, warmup, iters, budget_s)}
-                            for b in batches for s in seqs]
-    settings = {"warmup": warmup, "iters": iters, "budget_s": budget_s, "decode_past": past, "latency": LATENCY_NOTE,
-                "memory": MEMORY_NOTE}
-    return {"settings": settings, "results": results}
+                progress(f"batch {batch}, {'decode' if seq == 1 else f'prefill {seq}'}")
+            keys, calls = [], []
+            for backend, model, baseline, runner in runners:
+                key = (backend, model.path, batch, seq)
+                if key not in results or (baseline and (batch, seq) != (1, 1)):
+                    continue
+                if seq == 1 and not model.io.past:
+                    results[key]["reason"] = NO_PAST
+                    continue
+                feed = timed_feed(runner, model, batch, seq, past)
+                keys.append(key)
+                calls.append(lambda runner=runner, feed=feed: runner.infer(feed, check_inputs=False))
+            if calls:
+                samples = interleaved(calls, warmup=warmup, max_iters=iters, budget_s=budget_s * len(calls),
+                                      rel_ci=rel_ci)
+                for key, seconds in zip(keys, samples):
+                    results[key] = finished(results[key], seconds, rel_ci)
+    settings = {"warmup": warmup, "iters": iters, "budget_s": budget_s, "rel_ci": rel_ci, "decode_past": past,
+                "latency": LATENCY_NOTE}
+    return {"settings": settings, "results": list(results.values())}

@@ -1,13 +1,17 @@
 """The report files: report.json (validated against schema.json), report.md, and report.html,
-one self-contained page with the plot embedded as a base64 PNG.
+one self-contained page with the chart embedded as a base64 PNG; and the terminal summary.
 
-Both renderings are built from the same list of tables, so they always show the same numbers.
+Every rendering follows the same order, built from the same sections (`sections`): the verdict
+per backend and precision, the recommendation, the Pareto chart, the compact trade-off, memory
+and baseline tables; then folded details (parity and latency per noise mode and precision, the
+run). So the Markdown, the page and the terminal always show the same numbers.
 """
 
 import base64
 import datetime
 import html
 import json
+import math
 import string
 from importlib import resources
 from pathlib import Path
@@ -16,11 +20,15 @@ from typing import List, NamedTuple, Optional
 from .. import __version__
 from ..errors import InfMoEError
 from ..files import atomic_write, output_dir
+from ..quant import PRECISIONS
+from ..runtimes.registry import BACKENDS
 from ..verify.parity import failures
-from .tradeoff import plot_tradeoff, tradeoff_rows
+from .tradeoff import baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
 
-SCHEMA_VERSION = 1
-TEXT_COLUMNS = {"note", "versions", "kernel library", "CPU", "checkpoint"}
+SCHEMA_VERSION = 2
+TEXT_COLUMNS = {"note", "versions", "kernel library", "CPU", "checkpoint", "reason"}
+PLOT_FILE = "tradeoff.png"
+PLOT_ALT = "Pareto chart: perplexity against decode latency per backend, precision and K"
 
 
 class Table(NamedTuple):
@@ -29,6 +37,17 @@ class Table(NamedTuple):
     rows: List[List[str]]
     bad: List[bool]           # rows drawn as failures
     note: Optional[str] = None
+
+
+class Section(NamedTuple):
+    title: str
+    tables: List[Table]
+    folded: bool
+    lines: List[str] = []     # one-line remarks above the tables (skipped backends)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report dict
 
 
 def load_schema() -> dict:
@@ -47,11 +66,50 @@ def validate_report(report: dict) -> None:
         raise InfMoEError(f"report does not match its schema at {where}: {error.message}") from None
 
 
+def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
+    """One line per (backend, precision): passed (with the figures that matter), failed (naming
+    the failing figures), skipped (with its reason, once), or the reference."""
+    rows = (parity or bench or {}).get("results", [])
+    if not parity:  # a latency report: which backends were timed
+        rows = [{**r, "status": "timed" if r["status"] == "ok" else "skipped"} for r in rows if not r["baseline"]]
+    lines = []
+    for backend, dtype in sorted({(r["backend"], r["dtype"]) for r in rows},
+                                 key=lambda key: (BACKENDS.index(key[0]), PRECISIONS.index(key[1]))):
+        mine = [r for r in rows if (r["backend"], r["dtype"]) == (backend, dtype)]
+        ran = [r for r in mine if r["status"] != "skipped"]
+        where = f"K {', '.join(str(k) for k in sorted({r['k'] for r in ran}))}; " \
+                f"{', '.join(sorted({r['noise'] for r in ran}))} noise"
+        failed = [r for r in mine if r["status"] == "fail"]
+        if not ran:
+            status, text = "skipped", mine[0]["reason"]
+        elif failed:
+            status = "failed"
+            text = "; ".join(f"K={r['k']} {r['noise']}: {r['reason']}" for r in failed[:3])
+            text += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+        elif ran[0]["status"] == "reference":
+            status, text = "reference", f"the PyTorch reference of {dtype} ({where})"
+        elif ran[0]["status"] == "timed":
+            status, text = "timed", where
+        else:
+            status = "passed"
+            starts = [r["start_agreement"] for r in ran if r["start_agreement"] is not None]
+            errors = [(r["error_clean"] or r["error_all"])["max"] for r in ran]
+            text = (f"{where}; starts agree ≥ {pct(min(starts))}, " if starts else f"{where}; ") + \
+                f"max |Δlogit| {sci(max(errors))}; perplexity " \
+                f"{signed_pct(max(r['perplexity_increase'] for r in ran))} vs float at worst"
+        lines.append({"backend": backend, "dtype": dtype, "status": status, "text": text})
+    return lines
+
+
 def build_report(kind: str, command: str, checkpoint: str, config: dict, environment: dict, *,
-                 parity: Optional[dict] = None, bench: Optional[dict] = None,
-                 stages: Optional[list] = None, notes: Optional[list] = None) -> dict:
-    """The report dict of schema.json; passed is False when any parity row failed."""
+                 parity: Optional[dict] = None, bench: Optional[dict] = None, memory: Optional[dict] = None,
+                 baselines: Optional[List[dict]] = None, stages: Optional[list] = None,
+                 notes: Optional[list] = None) -> dict:
+    """The report dict of schema.json; passed is False when any parity row failed. baselines:
+    baselines.prepare_baselines' facts, completed here with their timed latency."""
     failed = failures(parity)
+    tradeoff = tradeoff_rows(parity, bench) if (parity or bench) else None
+    best = recommendation(tradeoff or [])
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
@@ -62,123 +120,323 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "environment": environment,
         "passed": not failed,
         "failures": failed,
+        "verdicts": verdicts(parity, bench),
+        "recommendation": None if best is None else {
+            **{key: best["best"][key] for key in ("backend", "dtype", "noise", "k", "perplexity",
+                                                   "perplexity_increase", "decode_ms")},
+            "within_noise": [config_label(r) for r in best["within_noise"]]},
         "stages": stages or [],
         "parity": parity,
         "bench": bench,
-        "tradeoff": tradeoff_rows(parity, bench) if (parity or bench) else None,
+        "memory": memory,
+        "tradeoff": tradeoff,
+        "baselines": baseline_rows(bench, baselines) if baselines else [],
         "notes": notes or [],
     }
 
 
-def fmt(value, digits: int = 4) -> str:
+# ---------------------------------------------------------------------------------------------
+# Numbers: a fixed number of significant digits per kind of figure, units in the headers
+
+
+def sig(value, digits: int = 3) -> str:
+    """Fixed-point with `digits` significant digits (never an exponent): 0.0123, 1.23, 123, 12345."""
     if value is None:
         return "—"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}"
-    return str(value)
+    if value == 0 or not math.isfinite(value):
+        return str(value)
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
+
+
+def sci(value) -> str:
+    """Logit errors span many decades: always 3 significant digits in scientific notation."""
+    return "—" if value is None else f"{value:.2e}"
 
 
 def pct(share) -> str:
     return "—" if share is None else f"{100 * share:.2f}%"
 
 
-def tables(report: dict) -> List[Table]:
-    out = []
-    c = report["model"]["config"]
-    out.append(Table("Model", ["checkpoint", "D", "L", "heads", "H", "r", "trained K", "V", "positions"],
-                     [[report["model"]["checkpoint"], *(fmt(c.get(key)) for key in (
-                         "d_model", "n_layer", "n_head", "ffn_hidden", "slice_width", "num_samples",
-                         "vocab_size", "n_positions"))]], [False]))
-    if report["stages"]:
-        out.append(Table("Stages", ["stage", "status", "seconds", "note"],
-                         [[s["name"], s["status"], f"{s['seconds']:.1f}", s["note"] or ""] for s in report["stages"]],
-                         [s["status"] == "failed" for s in report["stages"]]))
+def signed_pct(share) -> str:
+    return "—" if share is None else f"{round(100 * share, 2) + 0.0:+.2f}%"  # + 0.0: no "-0.00%"
+
+
+def ppl(value) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def interval(latency: Optional[dict]) -> str:
+    """"1.23 [1.20–1.27]": median and its 95% interval, ms."""
+    if not latency:
+        return "—"
+    return f"{sig(latency['median'])} [{sig(latency['ci_low'])}–{sig(latency['ci_high'])}]"
+
+
+def mib(value) -> str:
+    return "—" if value is None else sig(value / 2**20)
+
+
+def config_label(row: dict) -> str:
+    return f"{row['backend']} {row['dtype']} K={row['k']} {row['noise']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+def skipped_lines(rows: List[dict], key) -> List[str]:
+    """One line per backend (and precision) whose every row was skipped, with the reason once."""
+    lines = {}
+    for r in rows:
+        if all(o["status"] == "skipped" for o in rows if key(o) == key(r)):
+            lines.setdefault(key(r), f"{' '.join(key(r))}: skipped, {r['reason']}")
+    return list(lines.values())
+
+
+def groups(rows: List[dict]):
+    """(noise, precision) groups of rows, in report order."""
+    keys = sorted({(r["noise"], r["dtype"]) for r in rows}, key=lambda k: (k[0], PRECISIONS.index(k[1])))
+    return [(noise, dtype, [r for r in rows if (r["noise"], r["dtype"]) == (noise, dtype)]) for noise, dtype in keys]
+
+
+def parity_tables(report: dict) -> List[Section]:
     parity = report["parity"]
-    if parity:
-        s = parity["settings"]
-        rows = [[r["backend"], str(r["k"]), r["noise"], r["status"], pct(r["start_agreement"]),
-                 pct(r["agreeing_token_share"]), pct(r["clean_token_share"]), pct(r["top1_agreement"]),
-                 *(fmt((r[field] or {}).get(stat)) for field in ("error_all", "error_agreeing", "error_clean")
-                   for stat in ("max", "p99")),
-                 fmt(r["perplexity"]), r["reason"] or ""] for r in parity["results"]]
-        out.append(Table(
-            "Parity against the PyTorch reference (SPEC §5)",
-            ["backend", "K", "noise", "status", "starts agree", "tokens agreeing", "tokens clean", "top-1 agree",
-             "max |Δlogit| all", "p99 all", "max agreeing", "p99 agreeing", "max clean", "p99 clean",
+    s = parity["settings"]
+    out = []
+    for noise, dtype, rows in groups(parity["results"]):
+        ran = [r for r in rows if r["status"] != "skipped"]
+        tables = [Table(
+            "Agreement with the level-1 reference",
+            ["backend", "K", "status", "starts agree", "tokens clean", "top-1 agree", "max |Δlogit| clean",
              "perplexity", "note"],
-            rows, [r["status"] == "fail" for r in parity["results"]],
-            f"{s['windows']} windows, {s['tokens']} tokens of {s['text']}. Agreeing: the token's starts (every "
-            "layer and sample) agree with the reference's; clean: so do those of every earlier token of its window. "
-            f"A backend passes when its logits on clean tokens are within atol {s['atol']:g} or rtol {s['rtol']:g} "
-            f"element-wise (Polygraphy) and at least {pct(s['min_start_agreement'])} of its starts agree. Errors "
-            "are per token the largest |Δlogit| over the vocabulary."))
-    bench = report["bench"]
-    if bench:
-        rows = [[r["backend"], str(r["k"]), r["noise"], r["phase"], str(r["batch"]), str(r["seq"]), str(r["past"]),
-                 fmt(r["iters"]), *(fmt((r["latency_ms"] or {}).get(p)) for p in ("p50", "p90", "p99")),
-                 fmt(r["tokens_per_s"]), fmt(r["peak_rss_delta_mib"], 3), r["reason"] or ""]
-                for r in bench["results"]]
-        s = bench["settings"]
-        out.append(Table("Latency", ["backend", "K", "noise", "phase", "batch", "seq", "past", "calls", "p50 ms", "p90 ms",
-                                     "p99 ms", "tokens/s", "peak MiB", "note"],
-                         rows, [False] * len(rows),
-                         f"{s['warmup']} warm-up then up to {s['iters']} timed calls"
-                         + (f" or {s['budget_s']:g} s, whichever comes first (at least 5)" if s["budget_s"] else "")
-                         + f". {s['latency']} {s['memory']}"))
-    if report["tradeoff"]:
-        out.append(Table("Trade-off: accuracy and cost over K",
-                         ["backend", "noise", "K", "perplexity", "decode p50 ms", "prefill tokens/s"],
-                         [[r["backend"], r["noise"], str(r["k"]), fmt(r["perplexity"]), fmt(r["decode_ms_p50"]),
-                           fmt(r["prefill_tokens_per_s"])] for r in report["tradeoff"]],
-                         [False] * len(report["tradeoff"])))
-    e = report["environment"]
-    versions = ", ".join(f"{name} {v}" for name, v in e["versions"].items() if v)
-    out.append(Table("Environment", ["CPU", "cores (usable)", "torch threads", "ort intra-op threads",
-                                     "kernel library", "versions"],
-                     [[e["cpu"], f"{e['cores']} ({e['usable_cores']})", str(e["torch_threads"]),
-                       fmt(e["ort_intra_op_threads"]), e["kernel_library"] or "not built (fallback function)",
-                       versions]], [False]))
+            [[r["backend"], str(r["k"]), r["status"], pct(r["start_agreement"]), pct(r["clean_token_share"]),
+              pct(r["top1_agreement"]), sci((r["error_clean"] or {}).get("max")), ppl(r["perplexity"]),
+              r["reason"] or ""] for r in ran], [r["status"] == "fail" for r in ran],
+            f"{s['windows']} windows, {s['tokens']} tokens of {s['text']}. Level 1: logits of clean tokens (their "
+            f"starts and those of every earlier token of the window agree) within atol {s['atol']:g} or rtol "
+            f"{s['rtol']:g} element-wise (Polygraphy), and at least {pct(s['min_start_agreement'])} of starts "
+            "agreeing.")]
+        tables.append(Table(
+            "Logit error per token, largest |Δlogit| over the vocabulary",
+            ["backend", "K", "tokens agreeing", "max all", "p99 all", "max agreeing", "p99 agreeing", "max clean",
+             "p99 clean"],
+            [[r["backend"], str(r["k"]), pct(r["agreeing_token_share"]),
+              *(sci((r[field] or {}).get(stat)) for field in ("error_all", "error_agreeing", "error_clean")
+                for stat in ("max", "p99"))] for r in ran if r["status"] != "reference"],
+            [r["status"] == "fail" for r in ran if r["status"] != "reference"]))
+        if dtype != "fp32":
+            tables.append(Table(
+                "Level 2: against the float model",
+                ["backend", "K", "level 1", "level 2", "perplexity", "float perplexity", "increase", "top-1 vs float"],
+                [[r["backend"], str(r["k"]), r["level1"] or "—", r["level2"] or "—", ppl(r["perplexity"]),
+                  ppl(r["float_perplexity"]), signed_pct(r["perplexity_increase"]), pct(r["float_top1_agreement"])]
+                 for r in ran], [r["level2"] == "fail" for r in ran],
+                f"Budget: perplexity at most {signed_pct(s['max_perplexity_increase'])} over the float model's, "
+                f"top-1 agreeing with it on at least {pct(s['min_float_top1_agreement'])} of tokens. The reference "
+                "row is PyTorch with the dequantized weights: the loss quantization itself costs."))
+        out.append(Section(f"Parity, {noise} noise, {dtype}", tables, True,
+                           skipped_lines(rows, lambda r: (r["backend"],))))
     return out
 
 
-def verdict(report: dict) -> str:
-    return "PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"])
+def latency_tables(report: dict) -> List[Section]:
+    bench = report["bench"]
+    s = bench["settings"]
+    out = []
+    for noise, dtype, rows in groups([r for r in bench["results"] if not r["baseline"]]):
+        ran = sorted((r for r in rows if r["status"] == "ok"),
+                     key=lambda r: (BACKENDS.index(r["backend"]), r["phase"], r["batch"], r["seq"], r["k"]))
+        cells = []
+        for previous, r in zip([None] + ran, ran):
+            same = previous is not None and all(previous[key] == r[key] for key in ("backend", "phase", "batch", "seq"))
+            noisy = same and previous["latency_ms"]["ci_low"] <= r["latency_ms"]["ci_high"] \
+                and r["latency_ms"]["ci_low"] <= previous["latency_ms"]["ci_high"]
+            cells.append([r["backend"], str(r["k"]), r["phase"], str(r["batch"]), str(r["seq"]),
+                          f"{r['iters']}{'' if r['stable'] else ' †'}",
+                          ("≈ " if noisy else "") + interval(r["latency_ms"]), sig(r["latency_ms"]["p90"]),
+                          sig(r["tokens_per_s"])])
+        out.append(Section(f"Latency, {noise} noise, {dtype}", [Table(
+            "Latency", ["backend", "K", "phase", "batch", "seq", "calls", "median ms [95% CI]", "p90 ms", "tokens/s"],
+            cells, [False] * len(cells),
+            f"Decode: one step after a cache of {s['decode_past']} tokens; prefill: seq tokens from an empty cache. "
+            f"{s['warmup']} warm-up calls, then rounds until every interval is within ±{100 * s['rel_ci']:g}% of its "
+            f"median or {s['budget_s']:g} s per configuration are spent (at most {s['iters']} calls; † = the "
+            f"interval is still wider). {s['latency']}")], True,
+            skipped_lines(rows, lambda r: (r["backend"],))))
+    return out
+
+
+def run_section(report: dict) -> Section:
+    c = report["model"]["config"]
+    tables = [Table("Model", ["checkpoint", "D", "L", "heads", "H", "r", "trained K", "V", "positions"],
+                    [[report["model"]["checkpoint"], *(str(c.get(key)) for key in (
+                        "d_model", "n_layer", "n_head", "ffn_hidden", "slice_width", "num_samples", "vocab_size",
+                        "n_positions"))]], [False])]
+    if report["stages"]:
+        tables.append(Table("Stages", ["stage", "status", "seconds", "note"],
+                            [[s["name"], s["status"], f"{s['seconds']:.1f}", s["note"] or ""] for s in report["stages"]],
+                            [s["status"] == "failed" for s in report["stages"]]))
+    e = report["environment"]
+    versions = ", ".join(f"{name} {v}" for name, v in e["versions"].items() if v)
+    tables.append(Table("Environment", ["CPU", "cores (usable)", "torch threads", "ort intra-op threads",
+                                        "kernel library", "versions"],
+                        [[e["cpu"], f"{e['cores']} ({e['usable_cores']})", str(e["torch_threads"]),
+                          str(e["ort_intra_op_threads"] or "default"),
+                          e["kernel_library"] or "not built (fallback function)", versions]], [False]))
+    return Section("The run: model, stages, environment", tables, True)
+
+
+def tradeoff_table(report: dict) -> Table:
+    rows = [r for r in report["tradeoff"] if r["perplexity"] is not None or r["decode_ms"]]
+    return Table("Trade-off", ["backend", "precision", "noise", "K", "parity", "perplexity", "vs float",
+                               "decode ms [95% CI]", "prefill tok/s"],
+                 [[r["backend"], r["dtype"], r["noise"], str(r["k"]), r["parity"] or "—", ppl(r["perplexity"]),
+                   signed_pct(r["perplexity_increase"]),
+                   ("≈ " if r["decode_within_noise"] else "") + interval(r["decode_ms"]),
+                   sig(r["prefill_tokens_per_s"])] for r in rows],
+                 [r["parity"] == "fail" for r in rows],
+                 "Decode: batch 1, median with its 95% interval; ≈: within noise of the previous K (the intervals "
+                 "overlap), so the order of the two is not measured.")
+
+
+def memory_table(report: dict) -> Table:
+    rows = [r for r in report["memory"]["results"] if r["status"] != "skipped"]
+    s = report["memory"]["settings"]
+    return Table("Memory", ["backend", "precision", "K", "file MiB", "weights MiB", "peak RSS MiB",
+                            "RSS before load MiB", "allocator peak MiB"],
+                 [[r["backend"], r["dtype"], str(r["k"]), mib(r["file_bytes"]), mib(r["weight_bytes"]),
+                   mib(r["peak_rss_bytes"]) if r["status"] == "ok" else f"failed: {r['reason']}",
+                   mib(r["rss_before_load_bytes"]), mib(r["allocator_peak_bytes"])] for r in rows],
+                 [r["status"] == "failed" for r in rows],
+                 f"Peak RSS: the peak resident set (VmHWM) of a fresh process that loads the model and decodes "
+                 f"{s['decode_steps']} steps after a {s['past']}-token prefill; before load: that process with its "
+                 "libraries imported, so the model's share is the difference. Weights: the stored bytes of the "
+                 "model's initializers (PyTorch: the checkpoint's parameters). Allocator peak: "
+                 + "; ".join(sorted({r["allocator_note"] for r in rows if r["allocator_note"]})) + ".")
+
+
+def baselines_table(report: dict) -> Table:
+    rows = report["baselines"]
+    return Table("Baselines", ["name", "FFN hidden", "window r", "parameters (M)", "perplexity", "decode ms [95% CI]",
+                               "backend"],
+                 [[b["name"], str(b["ffn_hidden"]), str(b["slice_width"]), sig(b["parameters"] / 1e6),
+                   ppl(b["perplexity"]), interval(b["decode_ms"]), b["backend"] or "—"] for b in rows],
+                 [False] * len(rows),
+                 "Reference points of the chart: each checkpoint exported in float32 and timed in the same "
+                 "interleaved loop as the ∞-MoE configurations; perplexity on the same text.")
+
+
+def sections(report: dict) -> List[Section]:
+    """Everything below the verdict, recommendation and chart, in the order every rendering uses."""
+    top = []
+    if report["tradeoff"]:
+        top.append(tradeoff_table(report))
+    if report["memory"]:
+        top.append(memory_table(report))
+    if report["baselines"]:
+        top.append(baselines_table(report))
+    # Skips the verdict lines already gave are not repeated.
+    said = {(v["backend"], v["dtype"]) for v in report["verdicts"] if v["status"] == "skipped"}
+    memory_skips = skipped_lines([r for r in report["memory"]["results"] if (r["backend"], r["dtype"]) not in said],
+                                 lambda r: (r["backend"], r["dtype"])) if report["memory"] else []
+    out = [Section("Summary", top, False, memory_skips)]
+    if report["parity"]:
+        out += parity_tables(report)
+    if report["bench"]:
+        out += latency_tables(report)
+    out.append(run_section(report))
+    return out
+
+
+def headline(report: dict) -> str:
+    return "PASSED" if report["passed"] else f"FAILED: {len(report['failures'])} backend configuration(s) out of budget"
+
+
+def recommendation_line(report: dict) -> Optional[str]:
+    best = report["recommendation"]
+    if best is None:
+        return None
+    text = (f"Fastest within the parity budget: {config_label(best)}, {interval(best['decode_ms'])} ms per decode "
+            f"step, perplexity {ppl(best['perplexity'])} ({signed_pct(best['perplexity_increase'])} vs float).")
+    if best["within_noise"]:
+        text += f" Within noise of it: {', '.join(best['within_noise'])}."
+    return text
+
+
+SYMBOLS = {"passed": "✓", "failed": "✗", "skipped": "–", "reference": "•", "timed": "•"}
+
+
+def verdict_text(line: dict) -> str:
+    return f"{SYMBOLS[line['status']]} {line['backend']} {line['dtype']}: {line['status']} — {line['text']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown, HTML, terminal
+
+
+def markdown_table(t: Table) -> List[str]:
+    lines = [f"**{t.title}**", "", "| " + " | ".join(t.headers) + " |", "|" + "---|" * len(t.headers)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in t.rows]
+    return lines + (["", t.note, ""] if t.note else [""])
 
 
 def to_markdown(report: dict, plot_file: Optional[str]) -> str:
-    lines = [f"# infmoe-export {report['kind']} report", "",
-             f"**{verdict(report)}** · {report['created']} · `{report['command']}`", ""]
-    for t in tables(report):
-        lines += [f"## {t.title}", "", "| " + " | ".join(t.headers) + " |", "|" + "---|" * len(t.headers)]
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in t.rows]
-        lines += ["", t.note, ""] if t.note else [""]
-        if t.title.startswith("Trade-off") and plot_file:
-            lines += [f"![perplexity and latency over K]({plot_file})", ""]
+    lines = [f"# infmoe-export {report['kind']}: {headline(report)}", ""]
+    lines += [f"- {verdict_text(v)}" for v in report["verdicts"]] + [""]
+    best = recommendation_line(report)
+    lines += [f"**{best}**", ""] if best else []
+    if plot_file:
+        lines += [f"![{PLOT_ALT}]({plot_file})", ""]
+    for section in sections(report):
+        if section.folded:
+            lines += ["<details>", f"<summary>{html.escape(section.title)}</summary>", ""]
+        lines += [f"- {line}" for line in section.lines] + ([""] if section.lines else [])
+        for t in section.tables:
+            lines += markdown_table(t)
+        if section.folded:
+            lines += ["</details>", ""]
     lines += [f"- {note}" for note in report["notes"]]
+    lines += ["", f"<sub>{report['created']} · `{report['command']}`</sub>"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def html_table(t: Table) -> str:
+    e = html.escape
+    text = [h in TEXT_COLUMNS for h in t.headers]
+    parts = [f"<h3>{e(t.title)}</h3>", "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in t.headers) + "</tr>"]
+    for row, bad in zip(t.rows, t.bad):
+        opening = '<tr class="bad">' if bad else "<tr>"
+        parts.append(opening + "".join(f'<td class="text">{e(c)}</td>' if is_text else f"<td>{e(c)}</td>"
+                                       for c, is_text in zip(row, text)) + "</tr>")
+    parts.append("</table>")
+    if t.note:
+        parts.append(f'<p class="note">{e(t.note)}</p>')
+    return "\n".join(parts)
 
 
 def to_html(report: dict, plot_png: Optional[bytes]) -> str:
     e = html.escape
     cls = "pass" if report["passed"] else "fail"
-    parts = [f"<h1>infmoe-export {e(report['kind'])} report</h1>",
-             f'<p><span class="verdict {cls}">{e(verdict(report))}</span></p>',
-             f"<p class=\"note\">{e(report['created'])} · <code>{e(report['command'])}</code></p>"]
-    for t in tables(report):
-        parts.append(f"<h2>{e(t.title)}</h2>")
-        if t.title.startswith("Trade-off") and plot_png:
-            data = base64.b64encode(plot_png).decode("ascii")
-            parts.append(f'<p><img alt="perplexity and latency over K" src="data:image/png;base64,{data}"></p>')
-        # Free-text columns read left to right; wide tables scroll inside the page.
-        text = [h in TEXT_COLUMNS for h in t.headers]
-        parts.append('<div class="wide"><table><tr>' + "".join(f"<th>{e(h)}</th>" for h in t.headers) + "</tr>")
-        for row, bad in zip(t.rows, t.bad):
-            opening = '<tr class="bad">' if bad else "<tr>"
-            parts.append(opening + "".join(f'<td class="text">{e(c)}</td>' if is_text else f"<td>{e(c)}</td>"
-                                           for c, is_text in zip(row, text)) + "</tr>")
-        parts.append("</table></div>")
-        if t.note:
-            parts.append(f'<p class="note">{e(t.note)}</p>')
+    verdict_items = "".join(f'<li class="{v["status"]}">{e(verdict_text(v))}</li>' for v in report["verdicts"])
+    best = recommendation_line(report)
+    left = [f'<h1>infmoe-export {e(report["kind"])} <span class="verdict {cls}">{e(headline(report))}</span></h1>',
+            f'<ul class="verdicts">{verdict_items}</ul>']
+    if best:
+        left.append(f'<p class="recommendation">{e(best)}</p>')
+    left.append(f'<p class="note">{e(report["created"])} · <code>{e(report["command"])}</code></p>')
+    chart = ""
+    if plot_png:
+        data = base64.b64encode(plot_png).decode("ascii")
+        chart = f'<figure class="chart"><img alt="{e(PLOT_ALT)}" src="data:image/png;base64,{data}"></figure>'
+    parts = [f'<header class="top"><div>{"".join(left)}</div>{chart}</header>']
+    for section in sections(report):
+        inner = "".join(f'<p class="skipped">{e(line)}</p>' for line in section.lines)
+        inner += "\n".join(html_table(t) for t in section.tables)
+        if section.folded:
+            parts.append(f"<details><summary>{e(section.title)}</summary>{inner}</details>")
+        elif inner:
+            parts.append(f"<section>{inner}</section>")
     if report["notes"]:
         parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in report["notes"]) + "</ul>")
     template = string.Template(resources.files(__package__).joinpath("template.html").read_text())
@@ -186,38 +444,38 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
 
 
 def write_report(report: dict, out: Path) -> dict:
-    """Validate, then write report.json, report.md, report.html (and tradeoff.png when there is a
-    trade-off); returns {kind: path}."""
+    """Validate, then write report.json, report.md, report.html (and tradeoff.png when there is
+    something to draw); returns {kind: path}."""
     validate_report(report)
     out = output_dir(out)
     paths = {}
     plot = None
-    if report["tradeoff"]:
-        plot = plot_tradeoff(report["tradeoff"])
-        paths["plot"] = atomic_write(out / "tradeoff.png", plot)
-    paths["json"] = atomic_write(out / "report.json", json.dumps(report, indent=2) + "\n")
-    paths["markdown"] = atomic_write(out / "report.md", to_markdown(report, "tradeoff.png" if plot else None))
+    if report["tradeoff"] and any(r["perplexity"] is not None and r["decode_ms"] for r in report["tradeoff"]):
+        plot = plot_tradeoff(report["tradeoff"], report["baselines"])
+        paths["plot"] = atomic_write(out / PLOT_FILE, plot)
+    paths["json"] = atomic_write(out / "report.json", json.dumps(report, indent=2, allow_nan=False) + "\n")
+    paths["markdown"] = atomic_write(out / "report.md", to_markdown(report, PLOT_FILE if plot else None))
     paths["html"] = atomic_write(out / "report.html", to_html(report, plot))
     return paths
 
 
-def summary_table(report: dict):
-    """A rich table for the terminal: one row per backend, K and noise mode."""
-    from rich.table import Table as RichTable
+def print_summary(console, report: dict) -> None:
+    """The terminal in the report's order: headline and verdict lines, the recommendation, then
+    the compact trade-off table."""
+    from rich.markup import escape
 
-    table = RichTable(title=f"infmoe-export {report['kind']}: {verdict(report)}")
-    for column in ("backend", "K", "noise", "parity", "starts agree", "max |Δlogit| clean", "perplexity",
-                   "decode p50 ms", "prefill tok/s"):
-        table.add_column(column, justify="left" if column in ("backend", "noise", "parity") else "right")
-    parity = {(r["backend"], r["k"], r["noise"]): r for r in (report["parity"] or {}).get("results", [])}
-    for t in report["tradeoff"] or []:
-        p = parity.get((t["backend"], t["k"], t["noise"]), {})
-        status = p.get("status", "—")
-        style = {"fail": "bold red", "pass": "green"}.get(status, "")
-        table.add_row(t["backend"], str(t["k"]), t["noise"], f"[{style}]{status}[/]" if style else status,
-                      pct(p.get("start_agreement")), fmt((p.get("error_clean") or {}).get("max")),
-                      fmt(t["perplexity"]), fmt(t["decode_ms_p50"]), fmt(t["prefill_tokens_per_s"]))
-    return table
+    styles = {"passed": "green", "failed": "bold red", "skipped": "dim"}
+    console.print(f"[bold]infmoe-export {report['kind']}: {escape(headline(report))}[/]")
+    for v in report["verdicts"]:
+        style = styles.get(v["status"], "")
+        console.print(f"[{style}]{escape(verdict_text(v))}[/]" if style else escape(verdict_text(v)))
+    best = recommendation_line(report)
+    if best:
+        console.print(escape(best), style="bold")
+    if report["tradeoff"]:
+        console.print(rich_table(tradeoff_table(report)))
+    if report["memory"]:
+        console.print(rich_table(memory_table(report)))
 
 
 def rich_table(t: Table):
@@ -227,7 +485,7 @@ def rich_table(t: Table):
 
     table = RichTable(title=escape(t.title), caption=escape(t.note or ""))
     for i, header in enumerate(t.headers):
-        table.add_column(escape(header), justify="left" if i == 0 else "right")
+        table.add_column(escape(header), justify="left" if i == 0 or header in TEXT_COLUMNS else "right")
     for row, bad in zip(t.rows, t.bad):
         table.add_row(*map(escape, row), style="red" if bad else None)
     return table

@@ -1,25 +1,29 @@
-"""The one timing harness of the project: `infmoe-export bench` and benchmarks/ both use it.
+"""The one timing harness of the project: `infmoe-export bench`, `pipeline` and benchmarks/ use it.
 
-Latency is the wall time of one call (time.perf_counter) after untimed warm-up calls. Peak
-memory is the rise of the process's peak resident set over its resident set just before the
-calls: the kernel's high-water mark (VmHWM) is reset through /proc/self/clear_refs, so the
-figure is the working memory of inference (activations, arena growth), not the loaded weights.
+Latency is the wall time of one call (time.perf_counter) after untimed warm-up calls.
+`interleaved` times several configurations (backends × K × precision) round-robin, in a
+shuffled order each round, so drift of a shared machine (other jobs, thermal, frequency) falls
+on all of them alike rather than on whichever ran last; it stops when every median's confidence
+interval is tight or the time budget is spent. The median's interval is distribution-free (order
+statistics of the binomial, `median_ci`); two figures whose intervals overlap are within noise.
 """
 
+import math
 import os
 import platform
+import random
 import time
 from importlib import metadata
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..errors import InfMoEError
 
-PERCENTILES = (50, 90, 99)
-
-
-MIN_ITERS = 5
+PERCENTILES = (90, 99)
+CONFIDENCE = 0.95
+MIN_ITERS = 8   # the fewest samples whose extremes bound the median at >= 99% (1 - 2 / 2^8)
+REL_CI = 0.02   # stop once every interval's half-width is within 2% of its median
 
 
 def time_calls(fn: Callable[[], object], warmup: int, iters: int, budget_s: Optional[float] = None) -> List[float]:
@@ -40,15 +44,73 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int, budget_s: Opti
     return seconds
 
 
-def latency_summary(seconds: List[float]) -> Dict[str, float]:
-    """p50/p90/p99/mean/min in milliseconds."""
+def median_ci(samples: Sequence[float], confidence: float = CONFIDENCE):
+    """(low, high): the order statistics x_(l) and x_(n+1-l) (1-based) with the largest l such that
+    P(Binomial(n, 1/2) < l) <= (1 - confidence) / 2, an interval that holds the true median with at
+    least `confidence` whatever the distribution; (min, max) when n is too small for that."""
+    x = np.sort(np.asarray(samples, dtype=np.float64))
+    n = len(x)
+    if n == 0:
+        raise InfMoEError("no samples to summarise")
+    tail, cdf, level = (1 - confidence) / 2, 0.0, 0
+    for i in range(n // 2 + 1):  # cdf = P(B < i + 1); stop before it exceeds the tail
+        cdf += math.comb(n, i) / 2.0 ** n
+        if cdf > tail:
+            break
+        level = i + 1
+    level = max(level, 1)
+    return float(x[level - 1]), float(x[n - level])
+
+
+def latency_summary(seconds: Sequence[float]) -> Dict[str, float]:
+    """Median with its confidence interval, p90/p99, mean, min; milliseconds."""
     ms = np.asarray(seconds, dtype=np.float64) * 1e3
-    summary = {f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}
+    low, high = median_ci(ms)
+    summary = {"median": float(np.median(ms)), "ci_low": low, "ci_high": high}
+    summary.update({f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES})
     summary.update(mean=float(ms.mean()), min=float(ms.min()))
     return summary
 
 
-def _status_kib(field: str) -> Optional[int]:
+def within_noise(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Whether two latency summaries' median intervals overlap (their difference is noise)."""
+    return a is not None and b is not None and a["ci_low"] <= b["ci_high"] and b["ci_low"] <= a["ci_high"]
+
+
+def stable(ms: Sequence[float], rel_ci: float) -> bool:
+    if len(ms) < MIN_ITERS:
+        return False
+    low, high = median_ci(ms)
+    return (high - low) / 2 <= rel_ci * float(np.median(ms))
+
+
+def interleaved(calls: Sequence[Callable[[], object]], *, warmup: int, max_iters: int, budget_s: float,
+                rel_ci: float = REL_CI, seed: int = 0) -> List[List[float]]:
+    """Seconds per call of every fn in `calls`, timed one call each per round in a shuffled order:
+    rounds go on until every median's interval is within rel_ci of it (after at least MIN_ITERS
+    rounds), or a configuration reached max_iters calls, or budget_s seconds of rounds are spent."""
+    if warmup < 0 or max_iters < 1 or budget_s <= 0:
+        raise InfMoEError(f"need warmup >= 0, iters >= 1 and a positive budget, got {warmup}, {max_iters}, {budget_s}")
+    for fn in calls:
+        for _ in range(warmup):
+            fn()
+    samples = [[] for _ in calls]
+    order = list(range(len(calls)))
+    shuffle = random.Random(seed).shuffle
+    started = time.perf_counter()
+    for _ in range(max_iters):
+        shuffle(order)
+        for i in order:
+            samples[i] += time_calls(calls[i], 0, 1)
+        if time.perf_counter() - started >= budget_s and len(samples[0]) >= min(MIN_ITERS, max_iters):
+            break
+        if all(stable(s, rel_ci) for s in samples):
+            break
+    return samples
+
+
+def status_kib(field: str) -> Optional[int]:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM), None where Linux's /proc is missing."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -57,26 +119,6 @@ def _status_kib(field: str) -> Optional[int]:
     except OSError:
         pass
     return None
-
-
-class PeakMemory:
-    """`with PeakMemory() as peak: ...` then peak.delta_mib (None where Linux's /proc is missing)."""
-
-    def __enter__(self):
-        self.delta_mib = None
-        self.base_kib = _status_kib("VmRSS")
-        try:
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # "5" resets VmHWM to the current RSS
-        except OSError:
-            self.base_kib = None
-        return self
-
-    def __exit__(self, *exc):
-        peak = _status_kib("VmHWM")
-        if self.base_kib is not None and peak is not None:
-            self.delta_mib = max(0, peak - self.base_kib) / 1024
-        return False
 
 
 def _version(package: str) -> Optional[str]:

@@ -33,7 +33,8 @@ def parse_backends(text: str, allow_torch: bool = True) -> List[str]:
 
 def find_models(paths: Sequence, ks: Optional[Sequence[int]] = None) -> List[ExportedModel]:
     """The models of the given files and directories (every *.onnx in a directory), sorted by
-    noise mode and K; only the K in ks when given. Two models of the same K and noise is an error."""
+    precision, noise mode and K; only the K in ks when given. Two models of the same precision, K
+    and noise is an error."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -47,11 +48,12 @@ def find_models(paths: Sequence, ks: Optional[Sequence[int]] = None) -> List[Exp
             raise InfMoEError(f"model {path} does not exist")
     models = {}
     for model in map(ExportedModel.read, files):
-        key = (model.noise, model.k)
+        key = (model.io.dtype, model.noise, model.k)
         if key in models:
-            raise InfMoEError(f"two models for K={model.k} ({model.noise} noise): {models[key].path} and {model.path}")
+            raise InfMoEError(f"two {model.io.dtype} models for K={model.k} ({model.noise} noise): "
+                              f"{models[key].path} and {model.path}")
         models[key] = model
-    chosen = [models[key] for key in sorted(models) if ks is None or key[1] in ks]
+    chosen = [models[key] for key in sorted(models) if ks is None or key[2] in ks]
     if ks is not None:
         missing = sorted(set(ks) - {m.k for m in chosen})
         if missing:

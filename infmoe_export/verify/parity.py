@@ -1,4 +1,7 @@
-"""`infmoe-export parity`: SPEC §5 parity of every backend against the PyTorch reference.
+"""`infmoe-export parity`: SPEC §5 parity of every backend against the PyTorch reference, on two
+levels for a quantized model (SPEC §6): level 1 against PyTorch with the dequantized weights w',
+under the float tolerances; level 2 against the float model, under the user's budget
+(perplexity increase, top-1 agreement).
 
 Polygraphy runs the backends on the same feed dicts (Comparator.run) and judges the logits
 with its own per-output tolerance semantics (Comparator.compare_accuracy + SimpleCompareFunc,
@@ -24,6 +27,8 @@ DEFAULT_ATOL = 1e-3
 DEFAULT_RTOL = 1e-3
 DEFAULT_MIN_START_AGREEMENT = 0.99
 DEFAULT_MAX_WINDOWS = 8
+DEFAULT_MAX_PPL_INCREASE = 0.03   # level 2: int4 with block 32 is expected within 3% (issue 10)
+DEFAULT_MIN_TOP1 = 0.90
 BATCH_SIZE = 4
 
 
@@ -92,6 +97,32 @@ def polygraphy_passes(reference: np.ndarray, test: np.ndarray, name: str, atol: 
     return bool(verdict)
 
 
+def level2(torch_model, runner, level1: dict, texts: Sequence[str], max_windows: int, seed: int) -> dict:
+    """Level 2 of one backend's row: against the float model. A float export's level-1 reference
+    is the float model, so its figures are level 1's; a quantized one is scored again by
+    verify.quality.quality_vs_float (perplexity increase, top-1 agreement with float)."""
+    if not runner.io.quantized:
+        return {"float_perplexity": level1["reference_perplexity"],
+                "perplexity_increase": level1["perplexity"] / level1["reference_perplexity"] - 1,
+                "float_top1_agreement": level1["top1_agreement"]}
+    from .quality import quality_vs_float
+
+    figures = quality_vs_float(torch_model, runner, texts, max_windows=max_windows, seed=seed)
+    return {"float_perplexity": figures["perplexity_float"], "perplexity_increase": figures["perplexity_increase_pct"] / 100,
+            "float_top1_agreement": figures["top1_agreement"]}
+
+
+def budget_problems(row: dict, max_ppl_increase: float, min_top1: float) -> List[str]:
+    problems = []
+    if row["perplexity_increase"] > max_ppl_increase:
+        problems.append(f"level 2: perplexity {100 * row['perplexity_increase']:+.2f}% over float "
+                        f"(budget {100 * max_ppl_increase:g}%)")
+    if row["float_top1_agreement"] < min_top1:
+        problems.append(f"level 2: top-1 agrees with float on {100 * row['float_top1_agreement']:.2f}% "
+                        f"(< {100 * min_top1:g}%)")
+    return problems
+
+
 def compare_backend(name: str, reference: List[dict], test: List[dict], ids: List[np.ndarray],
                     atol: float, rtol: float, min_start_agreement: float) -> dict:
     """SPEC §5's figures of one backend against the reference, over all iterations.
@@ -126,7 +157,8 @@ def compare_backend(name: str, reference: List[dict], test: List[dict], ids: Lis
         stats = row["error_clean"] or row["error_all"]
         problems.append(f"logits beyond atol {atol:g} / rtol {rtol:g} (max |Δ| {stats['max']:.3g}"
                         f"{' on clean tokens' if row['error_clean'] else ''})")
-    row["status"] = "fail" if problems else "pass"
+    row["level1"] = "fail" if problems else "pass"
+    row["status"] = row["level1"]
     row["reason"] = "; ".join(problems) or None
     return row
 
@@ -138,18 +170,21 @@ def compare_backend(name: str, reference: List[dict], test: List[dict], ids: Lis
 def run_parity(torch_model, models: List[ExportedModel], *, backends: Sequence[str],
                engines: Optional[Path] = None, texts: Sequence[str] = (), max_windows: int = DEFAULT_MAX_WINDOWS,
                atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-               min_start_agreement: float = DEFAULT_MIN_START_AGREEMENT, seed: int = 0,
+               min_start_agreement: float = DEFAULT_MIN_START_AGREEMENT,
+               max_ppl_increase: float = DEFAULT_MAX_PPL_INCREASE, min_top1: float = DEFAULT_MIN_TOP1, seed: int = 0,
                progress=None) -> dict:
     """The report's parity section: one reference row and one row per backend for every model.
+    A backend passes level 1 (against the reference of the model's precision, see
+    compare_backend) and level 2 (against the float model, within the budget).
     progress(description) is called before each model (the pipeline's progress bar)."""
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
 
-    chunks, label = text_windows(texts, torch_model.config.n_positions, max_windows)
+    chunks, text = text_windows(texts, torch_model.config.n_positions, max_windows)
     results = []
     for info in models:
         if progress:
-            progress(f"K={info.k} {info.noise}")
+            progress(f"{info.io.dtype} K={info.k} {info.noise}")
         feeds = feeds_for(info, chunks, seed)
         ids = [feed["input_ids"] for feed in feeds]
         runners, rows = [], {}
@@ -159,38 +194,55 @@ def run_parity(torch_model, models: List[ExportedModel], *, backends: Sequence[s
                 rows[backend] = skipped_row(backend, info, reason)
             else:
                 runners.append(registry.make_runner(backend, info, torch_model, engines))
+        # The level-1 reference: PyTorch on the precision's dequantized weights (TorchRunner).
         reference = registry.make_runner("torch", info, torch_model, engines)
         with G_LOGGER.verbosity(G_LOGGER.ERROR):
             run = Comparator.run([reference] + runners, data_loader=feeds)
         outputs = {name: [dict(iteration.items()) for iteration in iterations] for name, iterations in run.items()}
         seconds = {name: sum(iteration.runtime or 0.0 for iteration in iterations) for name, iterations in run.items()}
         ref_ppl = perplexity_of_logits([o["logits"] for o in outputs[reference.name]], ids)
-        results.append({**blank_row("torch", info), "status": "reference", "perplexity": ref_ppl,
-                        "reference_perplexity": ref_ppl, "top1_agreement": 1.0, "seconds": seconds[reference.name]})
+        row = {**blank_row("torch", info), "status": "reference", "perplexity": ref_ppl,
+               "reference_perplexity": ref_ppl, "top1_agreement": 1.0, "seconds": seconds[reference.name]}
+        results.append({**row, **level2(torch_model, reference, row, texts, max_windows, seed)})
         for runner in runners:
-            rows[runner.name] = {**blank_row(runner.name, info), "seconds": seconds[runner.name],
-                                 **compare_backend(runner.name, outputs[reference.name], outputs[runner.name],
-                                                   ids, atol, rtol, min_start_agreement)}
+            row = {**blank_row(runner.name, info), "seconds": seconds[runner.name], "reference_perplexity": ref_ppl,
+                   **compare_backend(runner.name, outputs[reference.name], outputs[runner.name], ids, atol, rtol,
+                                     min_start_agreement)}
+            row.update(level2(torch_model, runner, row, texts, max_windows, seed))
+            problems = budget_problems(row, max_ppl_increase, min_top1)
+            row["level2"] = "fail" if problems else "pass"
+            if problems:
+                row["status"] = "fail"
+                row["reason"] = "; ".join(([f"level 1: {row['reason']}"] if row["reason"] else []) + problems)
+            rows[runner.name] = row
         results += [{**rows[backend], "reference_perplexity": ref_ppl} for backend in backends]
-    settings = {"atol": atol, "rtol": rtol, "min_start_agreement": min_start_agreement, "windows": len(chunks),
-                "tokens": len(chunks) * len(chunks[0]), "text": label, "seed": seed}
+    settings = {"atol": atol, "rtol": rtol, "min_start_agreement": min_start_agreement,
+                "max_perplexity_increase": max_ppl_increase, "min_float_top1_agreement": min_top1,
+                "windows": len(chunks), "tokens": len(chunks) * len(chunks[0]), "text": text, "seed": seed}
     return {"settings": settings, "results": results}
 
 
 def blank_row(backend: str, info) -> dict:
-    return {"backend": backend, "k": info.k, "noise": info.noise, "model": str(info.path), "status": None,
-            "reason": None, "perplexity": None, "reference_perplexity": None, "top1_agreement": None,
-            "start_agreement": None, "agreeing_token_share": None, "clean_token_share": None, "error_all": None,
-            "error_agreeing": None, "error_clean": None, "seconds": None}
+    return {"backend": backend, "k": info.k, "noise": info.noise, "dtype": info.io.dtype, "model": str(info.path),
+            "status": None, "reason": None, "level1": None, "level2": None, "perplexity": None,
+            "reference_perplexity": None, "top1_agreement": None, "float_perplexity": None,
+            "perplexity_increase": None, "float_top1_agreement": None, "start_agreement": None,
+            "agreeing_token_share": None, "clean_token_share": None, "error_all": None, "error_agreeing": None,
+            "error_clean": None, "seconds": None}
 
 
 def skipped_row(backend: str, info, reason: str) -> dict:
     return {**blank_row(backend, info), "status": "skipped", "reason": reason}
 
 
+def label(row: dict) -> str:
+    """How reports name one backend's model: "ort int8 K=2 quantile"."""
+    return f"{row['backend']} {row['dtype']} K={row['k']} {row['noise']}"
+
+
 def failures(parity: Optional[dict]) -> List[str]:
     """One entry per backend and model out of tolerance, naming the failing figure."""
-    return [f"{r['backend']} K={r['k']} {r['noise']}: {r['reason']}"
+    return [f"{label(r)}: {r['reason']}"
             for r in (parity or {}).get("results", []) if r["status"] == "fail"]
 
 
