@@ -13,13 +13,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from infmoe_export.contract import DOMAIN, OP_VERSION
-from infmoe_export.quant import Q_OP_TYPE, QuantizedWeight, q_continuous_slice_ffn
+from infmoe_export.export.function import op_model
+from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
 from infmoe_export.runtimes import ort_kernel
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 NAMES = ("X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out")
-FLOAT = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +30,20 @@ def library():
     return path
 
 
-def q_model(r, bits, block_size, dtype=np.float32, types=None, **attributes):
-    """A one-node model of the op; `types` overrides an input's element type (bad-input tests)."""
-    types = {**{n: FLOAT[dtype] for n in NAMES}, "starts": TensorProto.INT64, "w_in_q": TensorProto.UINT8,
-             "w_out_q": TensorProto.UINT8, **(types or {})}
-    inputs = [helper.make_tensor_value_info(n, types[n], None) for n in NAMES]
-    attributes = {"slice_width": r, "activation": "gelu_tanh", "plugin_namespace": DOMAIN,
-                  "plugin_version": str(OP_VERSION), "bits": bits, "block_size": block_size, **attributes}
-    attributes = {name: value for name, value in attributes.items() if value is not None}
-    node = helper.make_node(Q_OP_TYPE, list(NAMES), ["Y"], domain=DOMAIN, **attributes)
-    graph = helper.make_graph([node], "q", inputs, [helper.make_tensor_value_info("Y", FLOAT[dtype], None)])
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+def q_model(r, quantization, dtype=np.float32, types=None, **attributes):
+    """The one-node model of the op, quantization = (bits, block size); `types` overrides inputs' element types and `attributes` the
+    node's (None drops one): the bad-input tests."""
+    bits, block = quantization
+    model = op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits, block_size=block)
+    node = model.graph.node[0]
+    for name, value in attributes.items():
+        kept = [a for a in node.attribute if a.name != name]
+        del node.attribute[:]
+        node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
+    for value_info in model.graph.input:
+        if value_info.name in (types or {}):
+            value_info.type.tensor_type.elem_type = types[value_info.name]
+    return model.SerializeToString()
 
 
 def session(model, threads=1):
@@ -120,7 +121,7 @@ CASES = [
 def test_matches_level_1_reference(library, lead, d, h, r, k, windows, block, bits, dtype):
     rng = np.random.default_rng([SEED, d, h, r, k, bits])
     feeds = make_feeds(rng, lead, d, h, r, k, bits, block, windows, dtype)
-    y = session(q_model(r, bits, block, dtype)).run(None, feeds)[0]
+    y = session(q_model(r, (bits, block), dtype)).run(None, feeds)[0]
     assert y.shape == lead + (d,) and y.dtype == dtype
     # float32: w' and the sums in float32, like the float op (SPEC §6, level 1 with the float
     # tolerances); float16: the same from half inputs, Y rounded to half once.
@@ -132,7 +133,7 @@ def test_nibble_order_matters(library):
     """A planted swap of the nibbles (odd column in the low one) must change the answer."""
     rng = np.random.default_rng([SEED, 1])
     feeds = make_feeds(rng, (1,), 32, 64, 16, 2, 4, 16)
-    y = session(q_model(16, 4, 16)).run(None, feeds)[0]
+    y = session(q_model(16, (4, 16))).run(None, feeds)[0]
     for name in ("w_in_q", "w_out_q"):
         q = feeds[name]
         feeds[name] = (q >> 4) | ((q & 15) << 4)
@@ -144,7 +145,7 @@ def test_nibble_order_matters(library):
 def test_bitwise_identical_across_threads(library, lead, bits):
     rng = np.random.default_rng([SEED, 2, bits])
     feeds = make_feeds(rng, lead, 130, 1031, 257, 8, bits, 32)
-    model = q_model(257, bits, 32)
+    model = q_model(257, (bits, 32))
     outputs = [session(model, threads).run(None, feeds)[0] for threads in (1, 2, 4, 1)]
     for y in outputs[1:]:
         assert np.array_equal(outputs[0], y), f"seed {SEED}"
@@ -161,11 +162,8 @@ def test_bitwise_identical_across_threads(library, lead, bits):
     (dict(slice_width=0), "slice_width must be >= 1"),
 ])
 def test_bad_attributes_are_errors(library, attributes, message):
-    base = dict(r=9, bits=4, block_size=16)
-    base.update({"r" if n == "slice_width" else n: v for n, v in attributes.items()})
-    r, bits, block = base.pop("r"), base.pop("bits"), base.pop("block_size")
     with pytest.raises(Exception, match="QContinuousSliceFFN: .*" + message):
-        session(q_model(r, bits, block, **base))
+        session(q_model(9, (4, 16), **attributes))
 
 
 def shrink(feeds, name, axis):
@@ -190,13 +188,13 @@ def test_bad_inputs_are_errors(library, change, message):
     feeds = make_feeds(rng, (3,), 16, 48, 9, 2, 4, 16)
     change(feeds)
     with pytest.raises(Exception, match="QContinuousSliceFFN: " + message):
-        session(q_model(9, 4, 16)).run(None, feeds)
+        session(q_model(9, (4, 16))).run(None, feeds)
 
 
 def test_slice_width_larger_than_h_is_an_error(library):
     feeds = make_feeds(np.random.default_rng([SEED, 4]), (2,), 16, 48, 9, 2, 8, 16)
     with pytest.raises(Exception, match="slice_width 49 is larger than H = 48"):
-        session(q_model(49, 8, 16)).run(None, feeds)
+        session(q_model(49, (8, 16))).run(None, feeds)
 
 
 @pytest.mark.parametrize("name, dtype, message", [
@@ -210,12 +208,12 @@ def test_wrong_element_types_are_errors(library, name, dtype, message):
     feeds[name] = feeds[name].astype(dtype)
     types = {name: helper.np_dtype_to_tensor_dtype(np.dtype(dtype))}
     with pytest.raises(Exception, match="QContinuousSliceFFN: " + message):
-        session(q_model(9, 8, 16, types=types)).run(None, feeds)
+        session(q_model(9, (8, 16), types=types)).run(None, feeds)
 
 
 def test_float16_x_refuses_float32_scales(library):
     feeds = make_feeds(np.random.default_rng([SEED, 6]), (1,), 16, 48, 9, 2, 4, 16, dtype=np.float16)
     feeds["w_out_scale"] = feeds["w_out_scale"].astype(np.float32)
-    model = q_model(9, 4, 16, np.float16, types={"w_out_scale": TensorProto.FLOAT})
+    model = q_model(9, (4, 16), np.float16, types={"w_out_scale": TensorProto.FLOAT})
     with pytest.raises(Exception, match="w_out_scale must have X's element type float16, got float32"):
         session(model).run(None, feeds)

@@ -1,12 +1,12 @@
 // Both ops, float and quantized (SPEC §4, §6), share one computation over a weight format: a
-// format hands out 16 columns of a row as float (FloatRows: float or half; QuantRows: 8- or 4-bit
+// format hands out a register's worth of columns of a row as float (FloatRows: float or half; QuantRows: 8- or 4-bit
 // integers times their block scale, w' = q * scale exactly as the reference dequantizes).
 // Two paths, both touching only the union of the windows:
 //  * decode (few tokens): per token, the rows its windows cover are cut into fixed chunks; each
 //    chunk reads its w_in rows once (dot products, four rows at a time), applies bias, GELU and
 //    coverage, then reads its w_out rows once (the partial output, four rows at a time); partials
 //    are summed in chunk order. Parallel over chunks, so one token uses every thread; memory
-//    bound, so the inner loops work on whole registers of 16 floats and nothing is converted or
+//    bound, so the inner loops work on whole registers of floats and nothing is converted or
 //    copied outside them.
 //  * prefill (many tokens): tokens sorted by window position and grouped; per group, blocked
 //    GEMMs (Eigen) over the row ranges any of its tokens cover, weighted by coverage, split over
@@ -21,6 +21,11 @@
 #include "continuous_slice_ffn.h"
 
 #include <Eigen/Core>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -39,11 +44,38 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 using MatrixView = Eigen::Map<const RowMatrix>;
 using Vector = Eigen::VectorXf;
 
-// 16 floats as a GCC/Clang vector: one AVX-512 register, two AVX2 or four SSE2 / NEON registers,
-// whichever the variant is compiled for.
-constexpr int64_t kLanes = 16;
-typedef float Lanes __attribute__((vector_size(64)));
+// W floats as a GCC/Clang vector (one register of the variant). Each weight format picks its
+// width: kNarrow for float weights, whose loops are memory bound (AVX-512 loads stream no faster
+// than AVX2 ones here, measured: 25 against 19 GB/s at one thread on Zen 4), kWide for quantized
+// ones, whose loops are bound by the widening arithmetic. A type wider than the registers would
+// be split by the compiler through memory.
+template <int W>
+struct VectorOf {
+  typedef float type __attribute__((vector_size(W * sizeof(float))));
+};
+template <int W>
+using Lanes = typename VectorOf<W>::type;
+#if defined(__AVX2__)
+constexpr int kNarrow = 8;
+#else
+constexpr int kNarrow = 4;
+#endif
+#if defined(__AVX512F__)
+constexpr int kWide = 16;
+#else
+constexpr int kWide = kNarrow;
+#endif
 typedef uint8_t Bytes __attribute__((vector_size(16)));
+typedef int8_t SignedBytes __attribute__((vector_size(16)));
+typedef uint64_t Words __attribute__((vector_size(16)));
+// The same 16 bytes as the intrinsics' type.
+#if defined(__SSE2__)
+using NativeBytes = __m128i;
+#elif defined(__ARM_NEON)
+using NativeBytes = int8x16_t;
+#else
+using NativeBytes = SignedBytes;
+#endif
 
 constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode path
 constexpr int64_t kChunkBytes = 256 << 10;  // decode: weight bytes (w_in + w_out) per work item
@@ -57,34 +89,87 @@ inline float ToFloat(uint16_t v) { return static_cast<float>(Eigen::numext::bit_
 inline void FromFloat(float v, float* dst) { *dst = v; }
 inline void FromFloat(float v, uint16_t* dst) { *dst = Eigen::numext::bit_cast<uint16_t>(Eigen::half(v)); }
 
-// Columns [16u, 16u + n) of `row` as Lanes, zero beyond n. n is kLanes except in a row's last,
-// partial unit; callers pass the constant kLanes in their main loop so the check folds away.
-template <typename T>
-inline Lanes LoadLanes(const T* row, int64_t u, int64_t n) {
-  Lanes v = {};
-  if (std::is_same<T, float>::value && n == kLanes) {
-    std::memcpy(&v, row + u * kLanes, sizeof v);
-  } else {
-    for (int64_t l = 0; l < n; ++l) v[l] = ToFloat(row[u * kLanes + l]);
+// The first W signed bytes as floats. GCC's generic vector conversion goes element by element,
+// so the variants widen with their own instructions; a plain loop elsewhere.
+template <int W>
+inline Lanes<W> ToLanes(SignedBytes b) {
+  const auto v = reinterpret_cast<NativeBytes>(b);
+#if defined(__AVX512F__)
+  if constexpr (W == 16) return reinterpret_cast<Lanes<W>>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
+#endif
+#if defined(__AVX2__)
+  if constexpr (W == 8) return reinterpret_cast<Lanes<W>>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+#endif
+#if defined(__SSE2__)
+  if constexpr (W == 4) {  // no SSE4.1 sign extension: each byte to the top of an int32, then shift
+    const __m128i doubled = _mm_unpacklo_epi8(v, v);
+    return reinterpret_cast<Lanes<W>>(_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(doubled, doubled), 24)));
   }
-  return v;
+#elif defined(__ARM_NEON)
+  if constexpr (W == 4) return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vget_low_s8(v)))));
+#endif
+  Lanes<W> out;
+  for (int l = 0; l < W; ++l) out[l] = static_cast<float>(b[l]);
+  return out;
 }
 
-// A float [h, d] matrix (T = float, or half as uint16_t bits).
+// W halves as floats (F16C in the x86-64-v3 and v4 variants).
+template <int W>
+inline Lanes<W> ToLanes(const uint16_t* p) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    return reinterpret_cast<Lanes<W>>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (W == 8) return reinterpret_cast<Lanes<W>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+  Lanes<W> out;
+  for (int l = 0; l < W; ++l) out[l] = ToFloat(p[l]);
+  return out;
+}
+
+template <int W>
+inline Lanes<W> ToLanes(const float* p) {
+  Lanes<W> out;
+  std::memcpy(&out, p, sizeof out);
+  return out;
+}
+
+// Columns [u W, u W + n) of `row` as Lanes, zero beyond n. n is W except in a row's last, partial
+// unit (read through a zero-padded copy, never past the row); callers pass the constant W in
+// their main loop so the check folds away.
+template <int W, typename T>
+inline Lanes<W> LoadLanes(const T* row, int64_t u, int64_t n) {
+  if (n == W) return ToLanes<W>(row + u * W);
+  T padded[W] = {};  // +0.0 in float and in half
+  std::copy(row + u * W, row + u * W + n, padded);
+  return ToLanes<W>(padded);
+}
+
+// Weight formats. A unit is kWidth consecutive columns of a row. Values(row, u, n) gives unit u
+// before scaling (zero beyond n) and Scale(row, b) the scale of the row's b-th block of
+// 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
+
+// A float [h, d] matrix (T = float, or half as uint16_t bits): one block, scale 1 (folded away).
 template <typename T>
 struct FloatRows {
+  static constexpr int kWidth = kNarrow;
   using Row = const T*;
   const T* w;
   int64_t d;
+  int block_shift = 62;
   Row At(int64_t i) const { return w + i * d; }
-  Lanes Unit(Row row, int64_t u, int64_t n) const { return LoadLanes(row, u, n); }
+  Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const { return LoadLanes<kWidth>(row, u, n); }
+  float Scale(Row, int64_t) const { return 1.0f; }
   int64_t RowBytes() const { return d * static_cast<int64_t>(sizeof(T)); }
 };
 
 // A quantized [h, d] matrix (SPEC §6): unsigned storage with offset 2^(bits-1), int4 two columns
-// per byte (even column in the low nibble), one scale per block of 2^block_shift units.
+// per byte (even column in the low nibble), one scale per block of block_size columns.
 template <int Bits, typename T>
 struct QuantRows {
+  static constexpr int kWidth = kWide;
   struct Row {
     const uint8_t* q;
     const T* scale;
@@ -92,37 +177,57 @@ struct QuantRows {
   const uint8_t* q;
   const T* scale;
   int64_t d, packed, blocks;
-  int block_shift;  // log2(block_size / kLanes): a unit never straddles two blocks (B >= 16, a power of two)
+  int block_shift;  // log2(block_size / kWidth): a unit never straddles two blocks (B >= 16 >= kWidth, powers of two)
 
   QuantRows(const QuantizedMatrix<T>& m, int64_t d_, int64_t block_size)
       : q(m.packed), scale(m.scale), d(d_), packed(Bits == 8 ? d_ : (d_ + 1) / 2),
         blocks((d_ + block_size - 1) / block_size), block_shift(0) {
-    while ((kLanes << block_shift) < block_size) ++block_shift;
+    while ((int64_t{kWidth} << block_shift) < block_size) ++block_shift;
   }
   Row At(int64_t i) const { return {q + i * packed, scale + i * blocks}; }
-  Lanes Unit(Row row, int64_t u, int64_t n) const {
-    constexpr int64_t kBytes = kLanes * Bits / 8;  // bytes per unit
-    constexpr uint8_t kPad = Bits == 8 ? 128 : 0x88;  // stored zeros
-    Bytes b;
-    std::memset(&b, kPad, sizeof b);
-    std::memcpy(&b, row.q + u * kBytes, n == kLanes ? kBytes : (n * Bits + 7) / 8);
-    if (Bits == 4) {
-      // Bytes 0-7 hold columns (0, 1) .. (14, 15): interleave low and high nibbles into column order.
-      const Bytes low = b & 15, high = b >> 4;
-      b = __builtin_shuffle(low, high, Bytes{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23});
-    }
-    const Lanes values = __builtin_convertvector(b, Lanes) - static_cast<float>(1 << (Bits - 1));
-    return values * ToFloat(row.scale[u >> block_shift]);
-  }
+  float Scale(Row row, int64_t b) const { return ToFloat(row.scale[b]); }
   int64_t RowBytes() const { return packed + blocks * static_cast<int64_t>(sizeof(T)); }
+
+  // The signed q of the unit, exact as floats.
+  Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const {
+    constexpr int64_t kBytes = kWidth * Bits / 8;  // bytes per unit: 2 to 16
+    const uint8_t* src = row.q + u * kBytes;
+    Bytes b;
+    if (n == kWidth) {
+      if constexpr (kBytes == 16) {
+        std::memcpy(&b, src, sizeof b);
+      } else {
+        uint64_t word = 0;
+        std::memcpy(&word, src, kBytes);
+        b = reinterpret_cast<Bytes>(Words{word, 0});
+      }
+    } else {  // the last unit of a row: its bytes, then stored zeros
+      uint8_t padded[16];
+      std::memset(padded, Bits == 8 ? 128 : 0x88, sizeof padded);
+      std::memcpy(padded, src, (n * Bits + 7) / 8);
+      std::memcpy(&b, padded, sizeof b);
+    }
+    if (Bits == 8) return ToLanes<kWidth>(reinterpret_cast<SignedBytes>(b ^ 128));
+    // Byte j holds columns 2j (low nibble) and 2j + 1: one column per byte, in order.
+    const Bytes low = b & 15, high = b >> 4;
+    const Bytes columns = __builtin_shuffle(low, high, Bytes{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23});
+    return ToLanes<kWidth>(reinterpret_cast<SignedBytes>(columns - 8));
+  }
 };
 
+// w' of the unit, q * scale exactly as the reference dequantizes (prefill's scratch).
+template <class Format>
+inline Lanes<Format::kWidth> Dequantized(const Format& w, typename Format::Row row, int64_t u, int64_t n) {
+  return w.Values(row, u, n) * w.Scale(row, u >> w.block_shift);
+}
+
 // Sum of the lanes in a fixed order (halves, then quarters, ...).
-inline float SumLanes(Lanes v) {
-  float s[kLanes];
+template <int W>
+inline float SumLanes(Lanes<W> v) {
+  float s[W];
   std::memcpy(s, &v, sizeof s);
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
-    for (int64_t l = 0; l < width; ++l) s[l] += s[l + width];
+  for (int width = W / 2; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) s[l] += s[l + width];
   }
   return s[0];
 }
@@ -170,42 +275,57 @@ std::vector<Range> Merged(std::vector<Range> windows, int64_t gap) {
 // ---- decode -------------------------------------------------------------------------------------
 
 // dot[g] = row (i + g) . x for g < G: G rows at once, so each x unit is loaded once per G rows
-// and G accumulator chains hide the FMA latency.
+// and G accumulator chains hide the FMA latency; each block's sum is scaled once.
 template <int G, class Format>
-inline void Dots(const Format& w, int64_t i, const Lanes* x, int64_t full, int64_t tail, float* dot) {
+inline void Dots(const Format& w, int64_t i, const Lanes<Format::kWidth>* x, int64_t full, int64_t tail, float* dot) {
+  constexpr int W = Format::kWidth;
   typename Format::Row rows[G];
-  Lanes acc[G];
-  for (int g = 0; g < G; ++g) rows[g] = w.At(i + g), acc[g] = Lanes{};
-  for (int64_t u = 0; u < full; ++u) {
-    for (int g = 0; g < G; ++g) acc[g] += w.Unit(rows[g], u, kLanes) * x[u];
+  Lanes<W> acc[G];
+  for (int g = 0; g < G; ++g) rows[g] = w.At(i + g), acc[g] = Lanes<W>{};
+  const int64_t per_block = int64_t{1} << w.block_shift;
+  for (int64_t lo = 0, b = 0; lo < full + (tail ? 1 : 0); lo += per_block, ++b) {
+    Lanes<W> block[G];
+    for (int g = 0; g < G; ++g) block[g] = Lanes<W>{};
+    for (int64_t u = lo; u < std::min(lo + per_block, full); ++u) {
+      for (int g = 0; g < G; ++g) block[g] += w.Values(rows[g], u, W) * x[u];
+    }
+    if (tail && full < lo + per_block) {
+      for (int g = 0; g < G; ++g) block[g] += w.Values(rows[g], full, tail) * x[full];
+    }
+    for (int g = 0; g < G; ++g) acc[g] += block[g] * w.Scale(rows[g], b);
   }
-  if (tail) {
-    for (int g = 0; g < G; ++g) acc[g] += w.Unit(rows[g], full, tail) * x[full];
-  }
-  for (int g = 0; g < G; ++g) dot[g] = SumLanes(acc[g]);
+  for (int g = 0; g < G; ++g) dot[g] = SumLanes<W>(acc[g]);
 }
 
-// out += sum over g < G of h[g] * row (i + g), added in g order.
+// out += sum over g < G of h[g] * row (i + g), added in g order; h times the block's scale once
+// per block.
 template <int G, class Format>
-inline void Axpys(const Format& w, int64_t i, const float* h, int64_t full, int64_t tail, Lanes* out) {
+inline void Axpys(const Format& w, int64_t i, const float* h, int64_t full, int64_t tail, Lanes<Format::kWidth>* out) {
+  constexpr int W = Format::kWidth;
   typename Format::Row rows[G];
   for (int g = 0; g < G; ++g) rows[g] = w.At(i + g);
-  for (int64_t u = 0; u < full; ++u) {
-    Lanes o = out[u];
-    for (int g = 0; g < G; ++g) o += h[g] * w.Unit(rows[g], u, kLanes);
-    out[u] = o;
-  }
-  if (tail) {
-    Lanes o = out[full];
-    for (int g = 0; g < G; ++g) o += h[g] * w.Unit(rows[g], full, tail);
-    out[full] = o;
+  const int64_t per_block = int64_t{1} << w.block_shift;
+  for (int64_t lo = 0, b = 0; lo < full + (tail ? 1 : 0); lo += per_block, ++b) {
+    float c[G];
+    for (int g = 0; g < G; ++g) c[g] = h[g] * w.Scale(rows[g], b);
+    for (int64_t u = lo; u < std::min(lo + per_block, full); ++u) {
+      Lanes<W> o = out[u];
+      for (int g = 0; g < G; ++g) o += c[g] * w.Values(rows[g], u, W);
+      out[u] = o;
+    }
+    if (tail && full < lo + per_block) {
+      Lanes<W> o = out[full];
+      for (int g = 0; g < G; ++g) o += c[g] * w.Values(rows[g], full, tail);
+      out[full] = o;
+    }
   }
 }
 
 template <typename T, class Format>
 void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  const int64_t full = s.d / kLanes, tail = s.d % kLanes, units = full + (tail ? 1 : 0);
+  constexpr int W = Format::kWidth;
+  const int64_t full = s.d / W, tail = s.d % W, units = full + (tail ? 1 : 0);
   // Chunks of a fixed number of rows (from the format's row size, never from the thread count).
   const int64_t chunk_rows =
       std::clamp<int64_t>(kChunkBytes / (w_in.RowBytes() + w_out.RowBytes()) / 4 * 4, 4, kMaxChunkRows);
@@ -214,7 +334,7 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
   };
   std::vector<Chunk> chunks;
   std::vector<size_t> first_chunk(s.tokens + 1, 0);
-  std::vector<Lanes> xs(s.tokens * units);
+  std::vector<Lanes<W>> xs(s.tokens * units);
   for (int64_t t = 0; t < s.tokens; ++t) {
     std::vector<Range> windows;
     AddWindows(starts + t * s.k, s.k, s.r, windows);
@@ -222,14 +342,14 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
       for (int64_t lo = run.lo; lo < run.hi; lo += chunk_rows) chunks.push_back({t, lo, std::min(lo + chunk_rows, run.hi)});
     }
     first_chunk[t + 1] = chunks.size();
-    for (int64_t u = 0; u < units; ++u) xs[t * units + u] = LoadLanes(x + t * s.d, u, u < full ? kLanes : tail);
+    for (int64_t u = 0; u < units; ++u) xs[t * units + u] = LoadLanes<W>(x + t * s.d, u, u < full ? W : tail);
   }
 
-  std::vector<Lanes> partials(chunks.size() * units);
+  std::vector<Lanes<W>> partials(chunks.size() * units);
   parallel_for(chunks.size(), [&](size_t index) {
     const Chunk& c = chunks[index];
-    const Lanes* xt = &xs[c.token * units];
-    Lanes* out = &partials[index * units];
+    const Lanes<W>* xt = &xs[c.token * units];
+    Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo, grouped = rows / 4 * 4;
     for (int64_t i = 0; i < grouped; i += 4) Dots<4>(w_in, c.lo + i, xt, full, tail, hidden + i);
@@ -239,17 +359,17 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
     GeluTanh(h);
     Coverage(starts + c.token * s.k, s.k, s.r, c.lo, c.hi, coverage);
     h *= Eigen::Map<const Eigen::ArrayXf>(coverage, rows);
-    std::fill(out, out + units, Lanes{});
+    std::fill(out, out + units, Lanes<W>{});
     for (int64_t i = 0; i < grouped; i += 4) Axpys<4>(w_out, c.lo + i, hidden + i, full, tail, out);
     for (int64_t i = grouped; i < rows; ++i) Axpys<1>(w_out, c.lo + i, hidden + i, full, tail, out);
   });
 
   for (int64_t t = 0; t < s.tokens; ++t) {
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t n = u < full ? kLanes : tail;
-      Lanes sum = LoadLanes(b_out, u, n);
+      const int64_t n = u < full ? W : tail;
+      Lanes<W> sum = LoadLanes<W>(b_out, u, n);
       for (size_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) sum += partials[c * units + u];
-      for (int64_t l = 0; l < n; ++l) FromFloat(sum[l], y + t * s.d + u * kLanes + l);
+      for (int64_t l = 0; l < n; ++l) FromFloat(sum[l], y + t * s.d + u * W + l);
     }
   }
 }
@@ -263,14 +383,15 @@ MatrixView Rows(const FloatRows<float>& w, int64_t lo, int64_t hi, RowMatrix&) {
 template <class Format>
 MatrixView Rows(const Format& w, int64_t lo, int64_t hi, RowMatrix& scratch) {
   scratch.resize(hi - lo, w.d);
-  const int64_t units = (w.d + kLanes - 1) / kLanes;
+  constexpr int W = Format::kWidth;
+  const int64_t units = (w.d + W - 1) / W;
   for (int64_t i = lo; i < hi; ++i) {
     const typename Format::Row row = w.At(i);
     float* dst = scratch.row(i - lo).data();
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t n = std::min(kLanes, w.d - u * kLanes);
-      const Lanes v = w.Unit(row, u, n);
-      std::memcpy(dst + u * kLanes, &v, n * sizeof(float));
+      const int64_t n = std::min<int64_t>(W, w.d - u * W);
+      const Lanes<W> v = Dequantized(w, row, u, n);
+      std::memcpy(dst + u * W, &v, n * sizeof(float));
     }
   }
   return {scratch.data(), hi - lo, w.d};

@@ -1,0 +1,184 @@
+"""The expert op's streaming speed, float and quantized, beside onnxruntime's own MatMul, in one run
+(issue 16 item 3, issue 10's op-alone figures), on bench_op's GPT-2-Small-size layer (D 768,
+H 6144, r 1536, 12 weight copies cycled so that weights come from memory).
+
+Decode (one token), K = 1, 2, 8, at 1 and 2 intra-op threads: the fp32, int8 and int4 op, a
+MatMul [1, 768] x [768, 12288] cycling over 4 weights (151 MB, far beyond the caches), a tiny op
+(H 16) and an Identity, all taking turns call by call (the order rotates every round). Reported:
+medians of each, the op's GB/s (the bytes it must read: the union rows of w_in and w_out with
+their scales, and b_in) and the ratios of adjacent calls (op GB/s over MatMul GB/s, int4 speed over
+fp32 speed), medians over the rounds, so a change in the shared machine's load hits both sides of
+a ratio alike. Fixed cost per node = tiny op minus Identity. Prefill: 512 tokens, each quantized
+kernel's time over the fp32 kernel's, paired the same way.
+
+    .venv/bin/python benchmarks/bench_qop.py [--rounds 200] [--json runs/bench_qop.json]
+
+No session spins between calls (session.intra_op.allow_spinning = 0): each session has its own
+pool, whose spinning threads would steal the two cores from the next session's call.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from bench_op import D, H, LAYERS, R, make_starts, union_rows
+from infmoe_export.export.function import op_model
+from infmoe_export.quant import QuantizedWeight, n_blocks, packed_columns
+from infmoe_export.runtimes import ort_kernel
+
+BLOCK = 32
+MATMUL_N, MATMUL_COPIES = 12288, 4
+PRECISIONS = ("fp32", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+
+
+def row_bytes(precision: str) -> int:
+    """Bytes the op reads per covered hidden unit: its w_in and w_out rows (with scales) and b_in."""
+    if precision == "fp32":
+        return 2 * D * 4 + 4
+    return 2 * (packed_columns(D, BITS[precision]) + n_blocks(D, BLOCK) * 4) + 4
+
+
+def session(model, threads: int, kernel: bool = True):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if kernel and not ort_kernel.register(options):
+        raise SystemExit("bench_qop: the kernel library is not built")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def plain_model(nodes, inputs, output):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in inputs],
+                              [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def layers(rng, h: int, copies: int):
+    """Per copy, each precision's feeds (OrtValues) but X and starts."""
+    out = []
+    for _ in range(copies):
+        w = {n: torch.from_numpy((rng.standard_normal(shape) * 0.02).astype(np.float32))
+             for n, shape in (("w_in", (h, D)), ("b_in", (h,)), ("w_out", (h, D)), ("b_out", (D,)))}
+        feeds = {"fp32": dict(w)}
+        for precision, bits in BITS.items():
+            q_in, q_out = QuantizedWeight.of(w["w_in"], bits, BLOCK), QuantizedWeight.of(w["w_out"], bits, BLOCK)
+            feeds[precision] = dict(w_in_q=q_in.packed, w_in_scale=q_in.scale, b_in=w["b_in"], w_out_q=q_out.packed,
+                                    w_out_scale=q_out.scale, b_out=w["b_out"])
+        out.append({p: {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy())) for n, v in f.items()}
+                    for p, f in feeds.items()})
+    return out
+
+
+def interleaved(calls: dict, rounds: int) -> dict:
+    """Seconds per call of each runner, per round; the runners take turns, the order rotating."""
+    names = list(calls)
+    for name in names:
+        calls[name](0)
+    times = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            calls[name](i)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_ratio(a, b):
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=200, help="decode calls per runner")
+    parser.add_argument("--prefill-rounds", type=int, default=5)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--k", default="1,2,8")
+    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    weights = layers(rng, H, LAYERS)
+    tiny = layers(rng, 16, 1)[0]["fp32"]
+    matmul_w = [ort.OrtValue.ortvalue_from_numpy((rng.standard_normal((D, MATMUL_N)) * 0.02).astype(np.float32))
+                for _ in range(MATMUL_COPIES)]
+    matmul_x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, D)).astype(np.float32))
+    models = {"fp32": op_model(R), **{p: op_model(R, bits=b, block_size=BLOCK) for p, b in BITS.items()}}
+    results = {"layer": dict(d_model=D, ffn_hidden=H, slice_width=R, block_size=BLOCK, layers=LAYERS),
+               "cpu_variant_env": os.environ.get("INFMOE_CPU_VARIANT"), "decode": [], "prefill": []}
+
+    for threads in [int(t) for t in args.threads.split(",")]:
+        ops = {p: session(m, threads) for p, m in models.items()}
+        tiny_op = session(op_model(1), threads)
+        matmul = session(plain_model([helper.make_node("MatMul", ["X", "W"], ["Y"])], ["X", "W"], "Y"), threads, False)
+        identity = session(plain_model([helper.make_node("Identity", ["X"], ["Y"])], ["X"], "Y"), threads, False)
+        print(f"\n{threads} thread(s): decode, 1 token, median of {args.rounds} calls each; ratios of adjacent calls")
+        print(f"{'K':>2} {'rows':>5} | {'fp32 us':>8} {'int8 us':>8} {'int4 us':>8} {'MatMul us':>9} | "
+              f"{'fp32 GB/s':>9} {'int8':>6} {'int4':>6} {'MatMul':>6} | {'fp32/MM':>7} {'int8/MM':>7} "
+              f"{'int4/MM':>7} | {'int4 x':>6} {'int8 x':>6} | {'fixed us':>8}")
+        for k in [int(k) for k in args.k.split(",")]:
+            starts = make_starts(1, k, rng).reshape(1, 1, k)
+            rows = union_rows(starts.reshape(1, k))
+            x, s = (ort.OrtValue.ortvalue_from_numpy(v) for v in (rng.standard_normal((1, 1, D)).astype(np.float32), starts))
+
+            def op(precision):
+                return lambda i: ops[precision].run_with_ort_values(
+                    ["Y"], dict(X=x, starts=s, **weights[i % LAYERS][precision]))
+
+            calls = {p: op(p) for p in PRECISIONS}
+            calls["matmul"] = lambda i: matmul.run_with_ort_values(["Y"], dict(X=matmul_x, W=matmul_w[i % MATMUL_COPIES]))
+            tiny_starts = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 1), np.int64))
+            calls["tiny"] = lambda i: tiny_op.run_with_ort_values(["Y"], dict(X=x, starts=tiny_starts, **tiny))
+            calls["identity"] = lambda i: identity.run_with_ort_values(["Y"], dict(X=x))
+            t = interleaved(calls, args.rounds)
+            mm_bytes = D * MATMUL_N * 4
+            gb_s = {p: [rows * row_bytes(p) / v / 1e9 for v in t[p]] for p in PRECISIONS}
+            gb_s["matmul"] = [mm_bytes / v / 1e9 for v in t["matmul"]]
+            row = dict(threads=threads, k=k, union_rows=rows,
+                       us={n: 1e6 * statistics.median(v) for n, v in t.items()},
+                       gb_s={n: statistics.median(v) for n, v in gb_s.items()},
+                       vs_matmul={p: median_ratio(gb_s[p], gb_s["matmul"]) for p in PRECISIONS},
+                       speed_vs_fp32={p: median_ratio(t["fp32"], t[p]) for p in BITS},
+                       fixed_us=1e6 * statistics.median(a - b for a, b in zip(t["tiny"], t["identity"])))
+            results["decode"].append(row)
+            us, g, v, x32 = row["us"], row["gb_s"], row["vs_matmul"], row["speed_vs_fp32"]
+            print(f"{k:>2} {rows:>5.0f} | {us['fp32']:>8.1f} {us['int8']:>8.1f} {us['int4']:>8.1f} {us['matmul']:>9.1f} | "
+                  f"{g['fp32']:>9.1f} {g['int8']:>6.1f} {g['int4']:>6.1f} {g['matmul']:>6.1f} | {v['fp32']:>7.2f} "
+                  f"{v['int8']:>7.2f} {v['int4']:>7.2f} | {x32['int4']:>6.2f} {x32['int8']:>6.2f} | {row['fixed_us']:>8.1f}")
+
+        n = args.prefill_tokens
+        print(f"\n{threads} thread(s): prefill, {n} tokens, median of {args.prefill_rounds}; quantized time / fp32 time")
+        print(f"{'K':>2} | {'fp32 ms':>8} {'int8 ms':>8} {'int4 ms':>8} | {'int8/fp32':>9} {'int4/fp32':>9}")
+        for k in [int(k) for k in args.k.split(",")]:
+            x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, n, D)).astype(np.float32))
+            s = ort.OrtValue.ortvalue_from_numpy(make_starts(n, k, rng).reshape(1, n, k))
+
+            def prefill(precision):
+                return lambda i: ops[precision].run_with_ort_values(["Y"], dict(X=x, starts=s, **weights[0][precision]))
+
+            t = interleaved({p: prefill(p) for p in PRECISIONS}, args.prefill_rounds)
+            row = dict(threads=threads, k=k, tokens=n, ms={p: 1e3 * statistics.median(v) for p, v in t.items()},
+                       time_vs_fp32={p: median_ratio(t[p], t["fp32"]) for p in BITS})
+            results["prefill"].append(row)
+            ms, r32 = row["ms"], row["time_vs_fp32"]
+            print(f"{k:>2} | {ms['fp32']:>8.1f} {ms['int8']:>8.1f} {ms['int4']:>8.1f} | {r32['int8']:>9.2f} {r32['int4']:>9.2f}")
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as out:
+            json.dump(results, out, indent=2)
+        os.replace(out.name, args.json)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
