@@ -86,7 +86,7 @@ def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = 
             from ..runtimes.tensorrt.manifest import select_engine
 
             for entry in manifest["engines"]:
-                entry = select_engine(manifest, entry["k"])
+                entry = select_engine(manifest, entry["k"], entry["precision"])
                 decoder_io = DecoderIO.from_metadata(entry["metadata"])
                 name = cfg.model_name(entry["k"], entry["precision"], "trt")
                 folder = stage / name
