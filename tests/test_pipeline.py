@@ -117,7 +117,8 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
     (["--k", "0"], "--k must be a comma-separated list of positive integers"),
     (["--noise", "gaussian"], "--noise must be a comma-separated subset of quantile, sampled"),
     (["--checkpoint", "/nonexistent"], "is not a checkpoint"),
-    (["--dtype", "fp64"], "--dtype must be a comma-separated subset of fp32, fp16, int8, int4"),
+    (["--dtype", "fp64"], "--dtype must be a comma-separated list of fp32, fp16, int8, int4"),
+    (["--dtype", "int4", "--block-size", "24"], "--block-size: block size must be a power of two >= 16"),
     (["--baseline", "/nonexistent"], "is not a checkpoint"),
 ])
 def test_pipeline_bad_input_is_one_line(tmp_path, run_cli, args, message):

@@ -23,7 +23,8 @@ from infmoe_export.contract import ExportedModel
 from infmoe_export.evaluate import perplexity_of_logits
 from infmoe_export.runtimes.registry import find_models
 from infmoe_export.report import timing
-from infmoe_export.report.bench import parse_precisions, run_bench
+from infmoe_export.commands.trt import precision_list
+from infmoe_export.report.bench import check_block_size_option, run_bench
 from infmoe_export.report.memory import run_memory
 from infmoe_export.report.render import build_report, load_schema, validate_report, write_report
 from infmoe_export.report.timing import environment, latency_summary, median_ci, memory_bandwidth
@@ -145,7 +146,7 @@ def test_quantized_model_is_judged_on_two_levels(setup):
     assert fallback["status"] == "pass" and fallback["level1"] == "pass" and fallback["level2"] == "pass"
     assert fallback["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-4)  # level 1: same math
     assert 0.9 <= fallback["float_top1_agreement"] <= 1
-    verdict = next(v for v in setup["report"]["verdicts"] if (v["backend"], v["dtype"]) == ("ort-fallback", "int4"))
+    verdict = next(v for v in setup["report"]["verdicts"] if (v["backend"], v["dtypes"]) == ("ort-fallback", ["int4"]))
     assert verdict["status"] == "passed" and "vs float" in verdict["text"]
 
 
@@ -158,17 +159,11 @@ def test_level2_budget_fails_a_backend_naming_the_figure(setup):
     assert parity_lib.failures(strict)[0].startswith("ort-fallback int4 K=1 quantile: level 2: ")
 
 
-@pytest.mark.parametrize("text, message", [("fp64", "subset of fp32, fp16, int8, int4"), ("", "subset of")])
-def test_precision_list_errors(text, message):
-    with pytest.raises(InfMoEError, match=message):
-        parse_precisions(text, 32)
-
-
-def test_precision_list_order_and_block_size():
-    assert parse_precisions("int4, fp32", 32) == ["fp32", "int4"]
-    assert parse_precisions("fp32", 24) == ["fp32"]  # no blocks, no block-size check
+def test_block_size_is_checked_only_with_blocks():
+    assert precision_list("int4, fp32") == ["fp32", "int4"]
+    check_block_size_option(["fp32"], 24)  # no blocks, no check
     with pytest.raises(InfMoEError, match="--block-size: block size must be a power of two >= 16, got 24"):
-        parse_precisions("int4", 24)
+        check_block_size_option(["fp32", "int4"], 24)
 
 
 def test_latency_summary_percentiles():
@@ -293,13 +288,12 @@ def test_tradeoff_has_every_backend_noise_and_k(setup):
 
 
 def test_verdict_lines_per_backend_and_precision(setup):
-    lines = {(v["backend"], v["dtype"]): v for v in setup["report"]["verdicts"]}
-    assert lines[("torch", "fp32")]["status"] == "reference"
-    assert lines[("ort-fallback", "fp32")]["status"] == "passed"
-    assert "max |Δlogit|" in lines[("ort-fallback", "fp32")]["text"]
-    trt = lines[("trt", "fp32")]
-    if trt["status"] == "skipped":
-        assert trt["text"]  # the reason, once for all K and noise modes
+    lines = {(v["backend"], tuple(v["dtypes"])): v for v in setup["report"]["verdicts"]}
+    assert lines[("torch", ("fp32", "int4"))]["status"] == "reference"  # one line for both precisions
+    assert lines[("ort-fallback", ("fp32",))]["status"] == "passed"
+    assert "max |Δlogit|" in lines[("ort-fallback", ("fp32",))]["text"]
+    if ("trt", ("fp32", "int4")) in lines:
+        assert lines[("trt", ("fp32", "int4"))]["status"] == "skipped"  # the reason once, for all of trt
 
 
 def test_memory_is_measured_in_a_child(setup):

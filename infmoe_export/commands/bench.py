@@ -14,11 +14,12 @@ from ..export import export_many
 from ..files import atomic_write, output_file
 from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
 from ..quant import DEFAULT_BLOCK_SIZE
-from ..report.bench import DEFAULT_PAST, check_shapes, export_options, parse_precisions, run_bench
+from ..report.bench import DEFAULT_PAST, check_shapes, check_block_size_option, export_options, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, validate_report
 from ..report.timing import REL_CI, environment
 from ..runtimes import registry
+from .trt import precision_list
 
 
 @click.command("bench")
@@ -54,7 +55,8 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dty
     """Latency, throughput and memory per backend, precision and K."""
     backends = registry.parse_backends(backend_list)
     ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
-    dtypes = parse_precisions(dtype_list, block_size)
+    dtypes = precision_list(dtype_list)
+    check_block_size_option(dtypes, block_size)
     inputs = [checkpoint or DEFAULT_CHECKPOINT, *model_paths, engines]
     if json_path:
         output_file(json_path, inputs=inputs)

@@ -28,7 +28,7 @@ from ..files import locked, output_dir, staged_dir
 from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
 from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.baselines import baseline_paths, prepare_baselines
-from ..report.bench import DEFAULT_PAST, export_options, parse_precisions, run_bench
+from ..report.bench import DEFAULT_PAST, check_block_size_option, export_options, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, write_report
 from ..report.timing import REL_CI, environment
@@ -36,6 +36,7 @@ from ..runtimes import ort_kernel
 from ..runtimes.tensorrt import build_engines, tensorrt_problem
 from ..verify.parity import DEFAULT_MAX_PPL_INCREASE, DEFAULT_MIN_TOP1, failure_line, run_parity
 from ..verify.validate import validate_onnx
+from .trt import precision_list
 
 DEFAULT_OUT = Path("runs") / "pipeline"
 BATCHES, PREFILL = (1, 4), 128
@@ -123,7 +124,8 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, b
     noises = [n.strip() for n in noise_list.split(",") if n.strip()]
     if not noises or any(n not in NOISE_MODES for n in noises):
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
-    dtypes = parse_precisions(dtype_list, block_size)
+    dtypes = precision_list(dtype_list)
+    check_block_size_option(dtypes, block_size)
     baselines = baseline_paths(baselines, bundled=not no_baselines)
     torch_model = load_checkpoint(checkpoint)
     check_forward_memory(torch_model.config, max(BATCHES), torch_model.config.n_positions, max(ks))
@@ -179,10 +181,11 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtyp
                 return "skipped", f"{problem}; no engines built"
             advance("exporting without the fallback function")
             folder = work / "engines"
-            planned = {m.k: m for m in export_many(torch_model, folder / "onnx", ks, function=False, with_starts=True)}
+            planned = {(m.k, dtype): m for dtype in dtypes
+                       for m in export_many(torch_model, folder / "onnx" / dtype, ks, function=False, with_starts=True,
+                                            target="tensorrt", **export_options(dtype, block_size))}
             advance("building engines")
-            engines = build_engines(planned, folder, fp16=False, timing_cache=folder / "timing.cache",
-                                    max_batch=max(BATCHES), max_seq=None, jit=False)
+            engines = build_engines(planned, folder, folder / "timing.cache", max(BATCHES), None, False)
             return "ok", f"engines in {engines}"
 
         def baseline(advance):

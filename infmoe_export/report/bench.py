@@ -34,21 +34,15 @@ class Baseline(NamedTuple):
     torch_model: object
 
 
-def parse_precisions(text: str, block_size: int, option: str = "--dtype") -> List[str]:
-    """'fp32,int4' -> ['fp32', 'int4'] in quant.PRECISIONS' order, the block size checked when
-    a precision has blocks; one-line errors."""
-    from ..quant import BITS, PRECISIONS, check_block_size
+def check_block_size_option(dtypes: Sequence[str], block_size: int) -> None:
+    """--block-size matters, and is checked, only when a precision has blocks."""
+    from ..quant import BITS, check_block_size
 
-    names = {part.strip() for part in text.split(",") if part.strip()}
-    unknown = sorted(names - set(PRECISIONS))
-    if not names or unknown:
-        raise InfMoEError(f"{option} must be a comma-separated subset of {', '.join(PRECISIONS)}, got {text!r}")
-    if names & set(BITS):
+    if set(dtypes) & set(BITS):
         try:
             check_block_size(block_size)
         except InfMoEError as error:
             raise InfMoEError(f"--block-size: {error}") from None
-    return [p for p in PRECISIONS if p in names]
 
 
 def export_options(dtype: str, block_size: int) -> dict:

@@ -15,7 +15,7 @@ import math
 import string
 from importlib import resources
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 from .. import __version__
 from ..errors import InfMoEError
@@ -43,7 +43,7 @@ class Section(NamedTuple):
     title: str
     tables: List[Table]
     folded: bool
-    lines: List[str] = []     # one-line remarks above the tables (skipped backends)
+    lines: Sequence[str] = ()  # one-line remarks above the tables (skipped backends)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +68,8 @@ def validate_report(report: dict) -> None:
 
 def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
     """One line per (backend, precision): passed (with the figures that matter), failed (naming
-    the failing figures), skipped (with its reason, once), or the reference."""
+    the failing figures), or, merged over the precisions of a backend that share it, skipped
+    (with its reason, once) or the reference."""
     rows = (parity or bench or {}).get("results", [])
     if not parity:  # a latency report: which backends were timed
         rows = [{**r, "status": "timed" if r["status"] == "ok" else "skipped"} for r in rows if not r["baseline"]]
@@ -87,7 +88,7 @@ def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
             text = "; ".join(f"K={r['k']} {r['noise']}: {r['reason']}" for r in failed[:3])
             text += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
         elif ran[0]["status"] == "reference":
-            status, text = "reference", f"the PyTorch reference of {dtype} ({where})"
+            status, text = "reference", "PyTorch, the level-1 reference (int8 / int4: on the dequantized weights)"
         elif ran[0]["status"] == "timed":
             status, text = "timed", where
         else:
@@ -97,7 +98,12 @@ def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
             text = (f"{where}; starts agree ≥ {pct(min(starts))}, " if starts else f"{where}; ") + \
                 f"max |Δlogit| {sci(max(errors))}; perplexity " \
                 f"{signed_pct(max(r['perplexity_increase'] for r in ran))} vs float at worst"
-        lines.append({"backend": backend, "dtype": dtype, "status": status, "text": text})
+        same = next((line for line in lines if status in ("skipped", "reference")
+                     and (line["backend"], line["status"], line["text"]) == (backend, status, text)), None)
+        if same:
+            same["dtypes"].append(dtype)
+        else:
+            lines.append({"backend": backend, "dtypes": [dtype], "status": status, "text": text})
     return lines
 
 
@@ -337,7 +343,7 @@ def sections(report: dict) -> List[Section]:
     if report["baselines"]:
         top.append(baselines_table(report))
     # Skips the verdict lines already gave are not repeated.
-    said = {(v["backend"], v["dtype"]) for v in report["verdicts"] if v["status"] == "skipped"}
+    said = {(v["backend"], d) for v in report["verdicts"] if v["status"] == "skipped" for d in v["dtypes"]}
     memory_skips = skipped_lines([r for r in report["memory"]["results"] if (r["backend"], r["dtype"]) not in said],
                                  lambda r: (r["backend"], r["dtype"])) if report["memory"] else []
     out = [Section("Summary", top, False, memory_skips)]
@@ -368,7 +374,7 @@ SYMBOLS = {"passed": "✓", "failed": "✗", "skipped": "–", "reference": "•
 
 
 def verdict_text(line: dict) -> str:
-    return f"{SYMBOLS[line['status']]} {line['backend']} {line['dtype']}: {line['status']} — {line['text']}"
+    return f"{SYMBOLS[line['status']]} {line['backend']} {', '.join(line['dtypes'])}: {line['status']} — {line['text']}"
 
 
 # ---------------------------------------------------------------------------------------------

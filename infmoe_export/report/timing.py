@@ -26,10 +26,8 @@ MIN_ITERS = 8   # the fewest samples whose extremes bound the median at >= 99% (
 REL_CI = 0.02   # stop once every interval's half-width is within 2% of its median
 
 
-def time_calls(fn: Callable[[], object], warmup: int, iters: int, budget_s: Optional[float] = None) -> List[float]:
-    """Seconds per call of fn over `iters` timed calls, after `warmup` untimed ones; with a
-    budget, the timed calls stop once they have taken budget_s seconds (but not before
-    MIN_ITERS calls), so a slow configuration cannot hold up a whole run."""
+def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> List[float]:
+    """Seconds per call of fn over `iters` timed calls, after `warmup` untimed ones."""
     if warmup < 0 or iters < 1:
         raise InfMoEError(f"need warmup >= 0 and iters >= 1, got warmup {warmup}, iters {iters}")
     for _ in range(warmup):
@@ -39,8 +37,6 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int, budget_s: Opti
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
-        if budget_s is not None and len(seconds) >= MIN_ITERS and sum(seconds) >= budget_s:
-            break
     return seconds
 
 

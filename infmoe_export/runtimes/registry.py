@@ -107,5 +107,5 @@ def make_runner(backend: str, model: ExportedModel, torch_model, engines: Option
     if backend == "trt":
         from .tensorrt import TrtRunner
 
-        return TrtRunner.from_engines(engines, model.k, name=backend)
+        return TrtRunner.from_engines(engines, model.k, model.io.dtype, name=backend)
     raise InfMoEError(f"unknown backend {backend!r}")
