@@ -110,9 +110,11 @@ class SharedCache:
         self._past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._arrays]
         self._binding = session.io_binding()
         self._session = session
-        for past, value in zip(decoder_io.past_names, self._past):
+        for past, value in zip(decoder_io.past_names, self._past):  # bound once, for every step
+            self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(past.replace("past_key_values", "present"), value)
-        self._logits: Dict[tuple, np.ndarray] = {}
+        self._logits: Dict[tuple, tuple] = {}  # shape -> (array, its OrtValue)
+        self._bound_shape = None
         self._others = [n for n in decoder_io.output_names if n != "logits" and not n.startswith("present.")]
 
     def step(self, input_ids, expert_noise=None, attention_mask=None) -> Dict[str, np.ndarray]:
@@ -130,19 +132,20 @@ class SharedCache:
             attention_mask = np.ones((batch, total), np.int64)
         feed = self.io.feed(input_ids, attention_mask, self._past, expert_noise)
         for name, value in feed.items():
-            if isinstance(value, ort.OrtValue):
-                self._binding.bind_ortvalue_input(name, value)
-            else:
+            if not isinstance(value, ort.OrtValue):  # the cache is bound already
                 self._binding.bind_cpu_input(name, value)
         shape = (batch, sequence, self.io.config.vocab_size)
         if shape not in self._logits:
-            self._logits[shape] = np.empty(shape, np.float32)
-        self._binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self._logits[shape]))
+            array = np.empty(shape, np.float32)
+            self._logits[shape] = array, ort.OrtValue.ortvalue_from_numpy(array)
+        if shape != self._bound_shape:
+            self._binding.bind_ortvalue_output("logits", self._logits[shape][1])
+            self._bound_shape = shape
         for name in self._others:
             self._binding.bind_output(name)
         self._session.run_with_iobinding(self._binding)
         self.length = total
-        outputs = {"logits": self._logits[shape]}
+        outputs = {"logits": self._logits[shape][0]}
         if self._others:
             bound = self._binding.get_outputs()
             outputs.update(zip(self._others, (v.numpy() for v in bound[len(bound) - len(self._others):])))
