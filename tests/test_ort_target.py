@@ -73,9 +73,13 @@ def test_each_target_matches_the_reference(model, exports, target):
         assert ops[("", "Concat")] >= 2 * CONFIG.n_layer  # the cache, concatenated each step
 
 
-def test_sampled_noise_and_starts_on_the_onnxruntime_target(model, tmp_path):
-    exported = export_onnx(model, tmp_path / "m.onnx", k=3, noise="sampled", with_starts=True, target="onnxruntime")
+@pytest.mark.parametrize("options", [dict(k=3, noise="sampled", with_starts=True), dict(past=False),
+                                     dict(dtype="fp16")], ids=["sampled-starts", "no-past", "fp16"])
+def test_export_variants_on_the_onnxruntime_target(model, tmp_path, options):
+    exported = export_onnx(model, tmp_path / "m.onnx", target="onnxruntime", **{"k": 2, **options})
     validate_onnx(model, exported, kernel=False)
+    names = [n.name for n in onnx.load(str(exported.path)).graph.node if n.op_type == "GroupQueryAttention"]
+    assert names == [f"/h.{i}.attn/GroupQueryAttention" for i in range(CONFIG.n_layer)]
 
 
 def test_files_without_a_target_are_portable(exports, tmp_path):

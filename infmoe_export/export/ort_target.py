@@ -140,11 +140,11 @@ class OrtDecoder(nn.Module):
 def finish_ort_graph(graph: ir.Graph):
     """Name GroupQueryAttention's two length inputs as the contract does (one value each, shared
     by every layer), and the nodes written here after their module, as the exporter names the
-    others: '/h.0.attn/GroupQueryAttention' (from its present output), '/h.0.ln_2/
+    others: '/h.0.attn/GroupQueryAttention' (the layers in order), '/h.0.ln_2/
     SkipLayerNormalization', '/h.0.attn.proj/MatMul' (from their first weight), the router's Split
     after the node before it."""
     used = {node.name for node in graph}
-    lengths_named = False
+    layer = 0
 
     def rename(node, base):
         name, n = base, 0
@@ -157,11 +157,10 @@ def finish_ort_graph(graph: ir.Graph):
 
     for node in graph:
         if node.domain == MS_DOMAIN and node.op_type == "GroupQueryAttention":
-            if not lengths_named:
+            if layer == 0:
                 node.inputs[5].name, node.inputs[6].name = SEQLENS_K, TOTAL_SEQUENCE_LENGTH
-                lengths_named = True
-            layer = node.outputs[1].name.split(".")[1]  # present.{i}.key
             rename(node, f"/h.{layer}.attn/{node.op_type}")
+            layer += 1
         elif node.name.startswith("/h.") or node.name.startswith("/wte") or node.name.startswith("/wpe"):
             continue
         elif node.op_type == "Split" and node.inputs[0].producer() is not None:
