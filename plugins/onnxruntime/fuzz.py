@@ -1,14 +1,18 @@
-"""Fuzz infmoe::ContinuousSliceFFN through onnxruntime, meant for the AddressSanitizer build.
+"""Fuzz infmoe::ContinuousSliceFFN and infmoe::QContinuousSliceFFN through onnxruntime, meant for
+the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows; about a third of the cases are invalid (starts out of range, a mismatched or missing
-dimension, slice_width > H). A valid case must match the PyTorch reference, an invalid one must
-raise an onnxruntime error; anything else, or any sanitizer report, is a finding.
+windows, half the cases for each op; about a third are invalid (starts out of range, a mismatched
+or missing dimension, slice_width > H; for the quantized op also bits and block sizes outside
+SPEC §6, and packed weights, scales or biases of the wrong element type). A valid case must
+match the PyTorch reference (for the quantized op the level-1 reference, random packed bytes
+included), an invalid one must raise an onnxruntime error; anything else, or any sanitizer
+report, is a finding.
 
     plugins/onnxruntime/build.sh --asan
     LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)" \\
       ASAN_OPTIONS=detect_leaks=0 INFMOE_ORT_LIBRARY=plugins/onnxruntime/build-asan/libinfmoe_ort.so \\
-      .venv/bin/python plugins/onnxruntime/fuzz.py --cases 10000
+      .venv/bin/python plugins/onnxruntime/fuzz.py --cases 20000
 
 (docs/onnxruntime-kernel.md says why libstdc++ is preloaded too.)
 """
@@ -19,22 +23,28 @@ import sys
 import numpy as np
 import onnxruntime as ort
 import torch
+from onnx import helper
 
 from infmoe_export.model import continuous_slice_ffn
 from infmoe_export.export.function import op_model
+from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn
 from infmoe_export.runtimes import ort_kernel
 
 NAMES = ("X", "starts", "w_in", "b_in", "w_out", "b_out")
+Q_NAMES = ("X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out")
 SLICE_WIDTHS = (1, 2, 3, 5, 8, 13, 31, 64, 100, 257)
+BLOCK_SIZES = (16, 32, 64, 128)
+BAD_BITS, BAD_BLOCK_SIZES = (3, 0, 5, 16, -8), (24, 8, 0, -16, 48, 1)
 
 
-def problem_of(feeds, r):
-    """Why the op must refuse these inputs (SPEC §4), or None when they are valid."""
-    x, starts, w_in = feeds["X"].shape, feeds["starts"].shape, feeds["w_in"].shape
+def common_problem(feeds, r, w_in, expected_w_in, matrices):
+    """The rules both ops share: X, starts and the biases against H and D, slice_width, starts."""
+    x, starts = feeds["X"].shape, feeds["starts"].shape
     if not x or len(starts) != len(x) or starts[:-1] != x[:-1] or starts[-1] < 1:
         return "shape"
     h = w_in[0] if len(w_in) == 2 else -1
-    if w_in != (h, x[-1]) or feeds["b_in"].shape != (h,) or feeds["w_out"].shape != w_in or feeds["b_out"].shape != x[-1:]:
+    if w_in != expected_w_in(h, x[-1]) or feeds["b_in"].shape != (h,) or feeds["b_out"].shape != x[-1:] \
+            or any(feeds[name].shape != shape(h, x[-1]) for name, shape in matrices):
         return "shape"
     if r > h:
         return "slice_width"
@@ -43,7 +53,24 @@ def problem_of(feeds, r):
     return None
 
 
-def random_case(rng):
+def problem_of(feeds, r, bits=None, block=None):
+    """Why the op must refuse these inputs (SPEC §4, §6), or None when they are valid."""
+    if bits is None:
+        same = lambda h, d: (h, d)  # noqa: E731
+        return common_problem(feeds, r, feeds["w_in"].shape, same, [("w_out", same)])
+    if bits not in (4, 8) or block < 16 or block & (block - 1):
+        return "attribute"
+    if feeds["w_in_q"].dtype != np.uint8 or feeds["w_out_q"].dtype != np.uint8 or any(
+            feeds[n].dtype != feeds["X"].dtype for n in ("w_in_scale", "b_in", "w_out_scale", "b_out")):
+        return "type"
+    packed = lambda h, d: (h, packed_columns(d, bits))  # noqa: E731
+    scales = lambda h, d: (h, n_blocks(d, block))  # noqa: E731
+    return common_problem(feeds, r, feeds["w_in_q"].shape, packed,
+                          [("w_out_q", packed), ("w_in_scale", scales), ("w_out_scale", scales)])
+
+
+def random_case(rng, quantized):
+    """(feeds, r, dtype, bits, block, problem); bits and block are None for the float op."""
     lead = tuple(int(n) for n in rng.integers(0, 5, size=rng.integers(0, 3)))
     if rng.random() < 0.1:
         lead = (int(rng.integers(100, 300)),)  # the prefill path, several groups
@@ -53,20 +80,29 @@ def random_case(rng):
     k = int(rng.integers(1, 10))
     dtype = np.float16 if rng.random() < 0.2 else np.float32
     feeds = {
-        "X": rng.standard_normal(lead + (d,)),
-        "starts": rng.integers(0, h - r + 1, size=lead + (k,)),
-        "w_in": rng.standard_normal((h, d)) / np.sqrt(d),
-        "b_in": rng.standard_normal(h),
-        "w_out": rng.standard_normal((h, d)) / np.sqrt(h),
-        "b_out": rng.standard_normal(d),
+        "X": rng.standard_normal(lead + (d,)).astype(dtype),
+        "starts": rng.integers(0, h - r + 1, size=lead + (k,)).astype(np.int64),
+        "b_in": rng.standard_normal(h).astype(dtype),
+        "b_out": rng.standard_normal(d).astype(dtype),
     }
-    feeds = {n: v.astype(np.int64 if n == "starts" else dtype) for n, v in feeds.items()}
+    bits = block = None
+    if quantized:
+        bits, block = int(rng.choice([4, 8])), int(rng.choice(BLOCK_SIZES))
+        for name, rows in (("w_in", d), ("w_out", h)):
+            # Any byte is a valid weight (the pad nibble of an odd D included: it must not matter).
+            feeds[name + "_q"] = rng.integers(0, 256, size=(h, packed_columns(d, bits)), dtype=np.uint8)
+            feeds[name + "_scale"] = (rng.random((h, n_blocks(d, block))) * 0.02 / np.sqrt(rows)).astype(dtype)
+    else:
+        feeds["w_in"] = (rng.standard_normal((h, d)) / np.sqrt(d)).astype(dtype)
+        feeds["w_out"] = (rng.standard_normal((h, d)) / np.sqrt(h)).astype(dtype)
+    names = Q_NAMES if quantized else NAMES
+    feeds = {n: feeds[n] for n in names}
     roll = rng.random()
-    if roll < 0.12 and feeds["starts"].size:
+    if roll < 0.10 and feeds["starts"].size:
         bad = rng.choice([-1, h - r + 1, int(rng.integers(-2 ** 62, 2 ** 62))])
         feeds["starts"].reshape(-1)[rng.integers(feeds["starts"].size)] = bad
-    elif roll < 0.30:  # one input gets a dimension changed, dropped or added
-        name = NAMES[rng.integers(len(NAMES))]
+    elif roll < 0.25:  # one input gets a dimension changed, dropped or added
+        name = names[rng.integers(len(names))]
         shape = list(feeds[name].shape)
         if shape and rng.random() < 0.7:
             axis = int(rng.integers(len(shape)))
@@ -75,58 +111,83 @@ def random_case(rng):
             shape = shape[:-1]
         else:
             shape = shape + [1]
-        feeds[name] = np.zeros(shape, np.int64) if name == "starts" else rng.standard_normal(shape).astype(dtype)
-    elif roll < 0.33:
+        kind = feeds[name].dtype
+        feeds[name] = np.full(shape, 0 if kind == np.int64 else 128, kind) if kind.kind in "iu" \
+            else rng.standard_normal(shape).astype(kind)
+    elif roll < 0.28:
         r = h + int(rng.integers(1, 4))
-    return feeds, r, dtype, problem_of(feeds, r)
+    elif quantized and roll < 0.31:
+        bits = int(rng.choice(BAD_BITS))
+    elif quantized and roll < 0.34:
+        block = int(rng.choice(BAD_BLOCK_SIZES))
+    elif quantized and roll < 0.37:  # a scale or bias of the other float type, or signed packed weights
+        name = str(rng.choice(["w_in_scale", "w_out_scale", "b_in", "b_out", "w_in_q", "w_out_q"]))
+        other = np.int8 if name.endswith("_q") else np.float32 if dtype == np.float16 else np.float16
+        feeds[name] = feeds[name].astype(other)
+    return feeds, r, dtype, bits, block, problem_of(feeds, r, bits, block)
+
+
+def reference(feeds, r, bits, block):
+    tensors = [torch.from_numpy(v) for v in feeds.values()]
+    tensors = [t.float() if t.is_floating_point() else t for t in tensors]
+    if bits is None:
+        return continuous_slice_ffn(*tensors, r).numpy()
+    return q_continuous_slice_ffn(*tensors, r, bits, block).numpy()
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN kernel.")
-    parser.add_argument("--cases", type=int, default=10000)
+    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN and QContinuousSliceFFN kernels.")
+    parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(f"fuzz: library {ort_kernel.custom_op_library()}")
 
     sessions = {}
 
-    def session(r, dtype, threads):
-        key = (r, dtype, threads)
+    def session(feeds, r, dtype, bits, block, threads):
+        types = tuple(str(v.dtype) for v in feeds.values())
+        key = (r, str(np.dtype(dtype)), bits, block, types, threads)
         if key not in sessions:
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.log_severity_level = 4  # the refused cases would each log an error line
             if not ort_kernel.register(options):
                 sys.exit("fuzz: the kernel library is not built")
-            model = op_model(r, "float16" if dtype == np.float16 else "float32")
+            model = op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits,
+                             **({} if block is None else dict(block_size=block)))
+            for value_info in model.graph.input:  # the wrong-type cases declare their types
+                value_info.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(feeds[value_info.name].dtype)
+            # Bad attributes fail here, at kernel creation: nothing is cached then.
             sessions[key] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return sessions[key]
 
     rng = np.random.default_rng(args.seed)
-    findings, counts = [], {"valid": 0, "start": 0, "shape": 0, "slice_width": 0}
+    findings, counts = [], {}
     for case in range(args.cases):
-        feeds, r, dtype, problem = random_case(rng)
+        quantized = bool(rng.random() < 0.5)
+        feeds, r, dtype, bits, block, problem = random_case(rng, quantized)
         threads = int(rng.integers(1, 3))
         try:
-            y = session(r, dtype, threads).run(None, feeds)[0]
+            y = session(feeds, r, dtype, bits, block, threads).run(None, feeds)[0]
             error = None
         except Exception as exc:  # onnxruntime's error types
             y, error = None, str(exc).splitlines()[0]
-        counts[problem or "valid"] += 1
+        label = ("quantized " if quantized else "float ") + (problem or "valid")
+        counts[label] = counts.get(label, 0) + 1
         if problem is not None:
             if error is None:
-                findings.append(f"case {case}: invalid ({problem}) but no error")
+                findings.append(f"case {case}: invalid ({label}) but no error")
             continue
         if error is not None:
-            findings.append(f"case {case}: valid but raised: {error}")
+            findings.append(f"case {case}: valid ({label}) but raised: {error}")
             continue
-        tensors = [torch.from_numpy(feeds[n]).float() if n != "starts" else torch.from_numpy(feeds[n]) for n in NAMES]
-        ref = continuous_slice_ffn(*tensors, r).numpy()
+        ref = reference(feeds, r, bits, block)
         scale = max(float(np.abs(ref).max()), 1.0) if ref.size else 1.0
         tolerance = 2e-3 if dtype == np.float16 else 1e-5
         if y.shape != ref.shape or (ref.size and np.abs(y.astype(np.float64) - ref).max() > tolerance * scale):
-            findings.append(f"case {case}: wrong result (shape {y.shape} vs {ref.shape})")
-    print(f"fuzz: {args.cases} cases ({counts}), {len(sessions)} sessions, {len(findings)} findings")
+            findings.append(f"case {case}: wrong result ({label}, shape {y.shape} vs {ref.shape})")
+    print(f"fuzz: {args.cases} cases ({dict(sorted(counts.items()))}), {len(sessions)} sessions, "
+          f"{len(findings)} findings")
     for line in findings[:20]:
         print("  " + line)
     sys.exit(1 if findings else 0)

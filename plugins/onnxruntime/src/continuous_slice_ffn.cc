@@ -28,6 +28,7 @@
 #endif
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -106,7 +107,7 @@ inline Lanes<W> ToLanes(SignedBytes b) {
     return reinterpret_cast<Lanes<W>>(_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(doubled, doubled), 24)));
   }
 #elif defined(__ARM_NEON)
-  if constexpr (W == 4) return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vget_low_s8(v)))));
+  if constexpr (W == 4) return reinterpret_cast<Lanes<W>>(vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vget_low_s8(v))))));
 #endif
   Lanes<W> out;
   for (int l = 0; l < W; ++l) out[l] = static_cast<float>(b[l]);
@@ -345,7 +346,8 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
     for (int64_t u = 0; u < units; ++u) xs[t * units + u] = LoadLanes<W>(x + t * s.d, u, u < full ? W : tail);
   }
 
-  std::vector<Lanes<W>> partials(chunks.size() * units);
+  // Every chunk writes its whole partial: no zeroing here (a memset of all of them per call).
+  const std::unique_ptr<Lanes<W>[]> partials(new Lanes<W>[chunks.size() * units]);
   parallel_for(chunks.size(), [&](size_t index) {
     const Chunk& c = chunks[index];
     const Lanes<W>* xt = &xs[c.token * units];
