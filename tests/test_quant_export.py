@@ -164,6 +164,20 @@ def test_dense_model_quantizes_its_experts_with_dequantize_linear(make_model, tm
     assert validate_onnx(model, exported, kernel=False).passed
 
 
+@pytest.mark.parametrize("other", ["int4", "int8"])
+def test_onnxruntime_target_reads_the_tied_embedding_packed(make_model, tmp_path, other):
+    """GatherBlockQuantized and MatMulNBits on one packed wte (D 24 at block 16: a padded block)."""
+    model = make_model(d_model=24)  # head_dim 8, as GroupQueryAttention needs
+    exported = export_onnx(model, tmp_path / "m.onnx", dtype="int4", block_size=16, quantize_other=other,
+                           target="onnxruntime")
+    graph = onnx.load(str(exported.path))
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("GatherBlockQuantized") == 1 and ops.count("MatMulNBits") == 1
+    assert not {n.output[0] for n in graph.graph.node if n.op_type == "DequantizeLinear"} & {"wte.weight", "wte.weight.T"}
+    assert not {"wte.weight", "wte.weight.T"} & {t.name for t in graph.graph.initializer}
+    assert validate_onnx(model, exported, kernel=False).passed
+
+
 def test_metadata_round_trip(make_model, tmp_path):
     exported = export_onnx(make_model(), tmp_path / "m.onnx", dtype="int8", block_size=64, quantize_other="int4")
     read = ExportedModel.read(exported.path)

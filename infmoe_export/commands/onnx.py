@@ -50,7 +50,8 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, q
         check_block_size(block_size)
     except InfMoEError as error:
         raise InfMoEError(f"--block-size: {error}") from None
-    quantization = dict(dtype=dtype, block_size=block_size, quantize_other=quantize_other, target=target)
+    # how the graph is written: precision, quantization, target
+    graph_options = dict(dtype=dtype, block_size=block_size, quantize_other=quantize_other, target=target)
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:
@@ -60,13 +61,13 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, q
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
-        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, quantization,
+        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, graph_options,
                        no_function, with_starts, atol, no_validate)
         return
     output_file(out, inputs=[source / CONFIG_FILE, source / WEIGHTS_FILE])
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
-    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, **quantization,
+    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, **graph_options,
                            function=not no_function, with_starts=with_starts)
     path = exported.path
     size = sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.exists())
@@ -82,7 +83,7 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, q
     click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)
 
 
-def _export_folder(out, checkpoint, k, noise, no_past, opset, quantization, no_function, with_starts, atol,
+def _export_folder(out, checkpoint, k, noise, no_past, opset, graph_options, no_function, with_starts, atol,
                    no_validate):
     """`--out DIR`: model.onnx and the clients' files into a staging folder, validated, then
     published to out (published on a failed validation too, like the file: it is complete and
@@ -94,7 +95,7 @@ def _export_folder(out, checkpoint, k, noise, no_past, opset, quantization, no_f
     report = None
     with locked(out), staged_dir(out) as staging:
         exported = export_onnx(model, staging / MODEL_FILE, k=k, noise=noise, past=not no_past, opset=opset,
-                               **quantization, function=not no_function, with_starts=with_starts)
+                               **graph_options, function=not no_function, with_starts=with_starts)
         write_hf_folder(staging, exported, kernel_library=ort_kernel.custom_op_library() if no_function else None)
         if not no_validate:
             from rich.console import Console

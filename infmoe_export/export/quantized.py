@@ -7,6 +7,12 @@ no custom op) becomes a standard `DequantizeLinear` (opset 21: blocked, signed I
 zero point) in front of its MatMul or Gather: the graph is traced in float32 and this pass
 swaps each such initializer for the dequantized value of the same weight, so the numbers are
 quant.py's w' and the graph is otherwise the float graph.
+
+onnxruntime fuses DequantizeLinear + MatMul into MatMulNBits (attention), but not the tied
+embedding: its Gather and the LM head's Transpose + MatMul dequantize all of wte on every run
+(357 ms a decode step at V = 50257 where float32 takes 26, docs/quantization.md). The
+onnxruntime target therefore stores wte once in MatMulNBits' layout and reads it with
+com.microsoft GatherBlockQuantized (embedding) and MatMulNBits (LM head): same w', 13 ms.
 """
 
 from typing import Dict, Optional
@@ -18,11 +24,12 @@ import torch
 
 from ..contract import DecoderIO
 from ..errors import InfMoEError
-from ..quant import quantize, quantized_tensors
+from ..quant import n_blocks, pack, quantize, quantized_tensors
 
 # DequantizeLinear takes block_size and INT4 from opset 21 on.
 QDQ_OPSET = 21
 _STORAGE = {8: np.int8, 4: ml_dtypes.int4}
+MS_DOMAIN = "com.microsoft"
 
 
 def qdq_matrices(decoder_io: DecoderIO) -> Dict[str, int]:
@@ -52,19 +59,18 @@ def insert_dequantize(graph: ir.Graph, weights: Dict[str, torch.Tensor], decoder
     block = decoder_io.block_size
     for name, bits in qdq_matrices(decoder_io).items():
         q, scale = quantize(weights[name], bits, block)
+        if name == "wte.weight" and decoder_io.target == "onnxruntime":
+            _contrib_embedding(graph, q, scale, bits, block)
         for stored, transposed in ((name, False), (f"{name}.T", True)):
             value = graph.initializers.get(stored)
             if value is None:
                 continue
+            if not value.uses():  # every reader rewired above
+                graph.initializers.pop(stored)
+                continue
             q_array, scale_array = (q.T, scale.T) if transposed else (q, scale)
-            q_value = ir.Value(name=f"{stored}_quantized", const_value=ir.Tensor(
-                np.ascontiguousarray(q_array.numpy()).astype(_STORAGE[bits])))
-            scale_value = ir.Value(name=f"{stored}_scale", const_value=ir.Tensor(
-                np.ascontiguousarray(scale_array.numpy())))
-            for initializer in (q_value, scale_value):
-                initializer.shape, initializer.type = initializer.const_value.shape, ir.TensorType(
-                    initializer.const_value.dtype)
-                graph.register_initializer(initializer)
+            q_value = _initializer(graph, f"{stored}_quantized", q_array.numpy().astype(_STORAGE[bits]))
+            scale_value = _initializer(graph, f"{stored}_scale", scale_array.numpy())
             node = ir.Node("", "DequantizeLinear", [q_value, scale_value], name=f"/{stored}/DequantizeLinear",
                            attributes=[ir.AttrInt64("axis", 0 if transposed else 1), ir.AttrInt64("block_size", block)])
             graph.append(node)
@@ -72,3 +78,58 @@ def insert_dequantize(graph: ir.Graph, weights: Dict[str, torch.Tensor], decoder
             ir.convenience.replace_all_uses_with(value, node.outputs[0])
             out = node.outputs[0]
             out.name, out.shape, out.type = stored, value.shape, value.type
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.Tensor(np.ascontiguousarray(array)))
+    value.shape, value.type = value.const_value.shape, ir.TensorType(value.const_value.dtype)
+    graph.register_initializer(value)
+    return value
+
+
+def _contrib_embedding(graph: ir.Graph, q: torch.Tensor, scale: torch.Tensor, bits: int, block: int):
+    """The onnxruntime target's tied embedding (module doc): wte's readers that are a Gather or
+    the LM head's MatMul (on wte.weight.T, or on Transpose(wte.weight)) read one packed copy,
+    SPEC §6's storage padded with q = 0 to whole blocks: [V, blocks, bytes per block]."""
+    vocab, d = q.shape
+    blocks = n_blocks(d, block)
+    padded = torch.nn.functional.pad(q, (0, blocks * block - d))
+    packed = _initializer(graph, "wte.weight_packed", pack(padded, bits).reshape(vocab, blocks, -1).numpy())
+    scales = _initializer(graph, "wte.weight_packed_scale", scale.numpy())
+    graph.opset_imports.setdefault(MS_DOMAIN, 1)
+    quantized = [ir.AttrInt64("bits", bits), ir.AttrInt64("block_size", block)]
+
+    def replace(node: ir.Node, new_nodes: list):
+        graph.insert_before(node, new_nodes)
+        old, new = node.outputs[0], new_nodes[-1].outputs[0]
+        new.shape, new.type = old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        new.name = old.name
+
+    def head(matmul: ir.Node):
+        replace(matmul, [ir.Node(MS_DOMAIN, "MatMulNBits", [matmul.inputs[0], packed, scales], name="/lm_head/MatMulNBits",
+                                 attributes=[ir.AttrInt64("K", d), ir.AttrInt64("N", vocab), *quantized])])
+
+    wte, wte_t = graph.initializers.get("wte.weight"), graph.initializers.get("wte.weight.T")
+    for node, index in list(wte.uses()) if wte is not None else ():
+        if node.op_type == "Gather" and index == 0 and node.attributes.get_int("axis", 0) == 0:
+            rows = _initializer(graph, "wte.weight_packed_rows", np.array([vocab, packed.shape[1] * packed.shape[2]]))
+            flat = ir.Node("", "Reshape", [packed, rows], name="/wte/Reshape")
+            gather = ir.Node(MS_DOMAIN, "GatherBlockQuantized", [flat.outputs[0], node.inputs[1], scales],
+                             name="/wte/GatherBlockQuantized",
+                             attributes=[ir.AttrInt64("gather_axis", 0), ir.AttrInt64("quantize_axis", 1), *quantized])
+            new_nodes = [flat, gather]
+            if blocks * block != d:  # the padding columns
+                ends = _initializer(graph, "wte.weight_columns", np.array([d]))
+                starts = _initializer(graph, "wte.weight_column_0", np.array([0]))
+                axes = _initializer(graph, "wte.weight_last_axis", np.array([-1]))
+                new_nodes.append(ir.Node("", "Slice", [gather.outputs[0], starts, ends, axes], name="/wte/Slice"))
+            replace(node, new_nodes)
+        elif node.op_type == "Transpose" and all(use.op_type == "MatMul" and i == 1 for use, i in node.outputs[0].uses()):
+            for matmul, _ in list(node.outputs[0].uses()):
+                head(matmul)
+            graph.remove(node, safe=True)
+    for matmul, index in list(wte_t.uses()) if wte_t is not None else ():
+        if matmul.op_type == "MatMul" and index == 1:
+            head(matmul)
