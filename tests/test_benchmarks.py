@@ -9,7 +9,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["bench_ort", "bench_op", "bench_decode"])
+@pytest.mark.parametrize("name", ["bench_ort", "bench_op", "bench_decode", "quant_quality"])
 def test_benchmark_imports(name):
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
