@@ -57,6 +57,19 @@ def test_fallback_function_matches_the_reference(bits, h, d, r, k, block):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_fallback_function_with_float16_activations(bits):
+    """SPEC §6 allows float16 X (and scales of X's type); the function computes in X's type."""
+    feed = op_inputs(41, 37, 7, 3, bits, 16, seed=bits)
+    feed = {name: value.half() if value.dtype == torch.float32 else value for name, value in feed.items()}
+    expected = q_continuous_slice_ffn(*feed.values(), 7, bits, 16).float().numpy()
+    model = op_model(7, "float16", with_function=True, bits=bits, block_size=16)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = session.run(None, {name: value.numpy() for name, value in feed.items()})[0]
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out.astype(np.float32), expected, atol=2e-2 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_overlapping_and_disjoint_windows(bits):
     h, d, r = 40, 21, 9
     starts = torch.tensor([[[3, 5, 5], [0, 15, 31]]])  # overlapping (one twice), then disjoint

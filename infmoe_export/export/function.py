@@ -121,7 +121,7 @@ def QContinuousSliceFFN(X, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scal
     # At least D columns (too few: zeros, already NaN above), then the pad nibble goes.
     short = op.Max(D - op.Shape(values, start=1), op.Constant(value_ints=[0]))
     values = op.Slice(op.Pad(values, op.Concat(op.Constant(value_ints=[0, 0, 0]), short, axis=0)), [0], D, [1])
-    offset = op.Pow(op.CastLike(2.0, X), op.CastLike(safe_bits - 1, X))
+    offset = op.CastLike(op.Pow(2.0, op.Cast(safe_bits - 1, to=TensorProto.FLOAT)), X)  # float32: CPU has no fp16 Pow
     # Column j's scale is scale[:, j div B] (clamped, so a short scale is NaN above, not an error).
     column = op.Range(0, op.Squeeze(D, [0]), 1) / safe_B
     column = op.Min(column, op.Squeeze(op.Shape(w_in_scale, start=1, end=2), [0]) - 1)
