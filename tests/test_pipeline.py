@@ -132,3 +132,18 @@ def test_pipeline_refuses_a_file_as_out(tmp_path, run_cli):
     status, _, err = run_cli("pipeline", "--out", str(target))
     assert status == 1 and "exists and is not a directory" in err
     assert target.read_text() == "x"
+
+
+def test_eval_scores_baselines_beside_the_checkpoint(checkpoint, tmp_path, run_cli):
+    dense = InfMoEGPT(InfMoEConfig(**{**CONFIG.to_dict(), "slice_width": CONFIG.ffn_hidden, "num_samples": 1}))
+    dense.reset_parameters(seed=5)
+    baseline = save_checkpoint(dense, tmp_path / "dense-H")
+    status, out, err = run_cli("eval", "--checkpoint", str(checkpoint), "--k", "1,2", "--baseline", str(baseline),
+                               "--json")
+    assert status == 0, err
+    records = json.loads(out)
+    assert [(r["baseline"], r["k"], r["ffn_hidden"]) for r in records] == [
+        (None, 1, CONFIG.ffn_hidden), (None, 2, CONFIG.ffn_hidden), ("dense-H", 1, CONFIG.ffn_hidden)]
+    assert all(r["perplexity"] > 1 for r in records)
+    status, _, err = run_cli("eval", "--checkpoint", str(checkpoint), "--baseline", str(tmp_path / "missing"))
+    assert status == 1 and "is not a checkpoint" in err and len(err.strip().splitlines()) == 1

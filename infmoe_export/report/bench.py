@@ -91,7 +91,7 @@ def blank_row(backend: str, model: ExportedModel, batch: int, seq: int, past: in
 def why_not(backend: str, model: ExportedModel, engines) -> Optional[str]:
     """Why a backend does not time this model here, or None."""
     if backend == "torch" and model.io.dtype not in FLOAT_TORCH:
-        return f"PyTorch runs float weights only; its {model.io.dtype} reference is for parity, not speed"
+        return "PyTorch runs float weights only; its int8 / int4 reference is for parity, not speed"
     return registry.unavailable(backend, model, engines)
 
 

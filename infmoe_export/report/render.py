@@ -22,7 +22,8 @@ from ..errors import InfMoEError
 from ..files import atomic_write, output_dir
 from ..quant import PRECISIONS
 from ..runtimes.registry import BACKENDS
-from ..verify.parity import failures
+from ..verify.parity import failures, label
+from .timing import within_noise
 from .tradeoff import baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
 
 SCHEMA_VERSION = 2
@@ -130,7 +131,7 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "recommendation": None if best is None else {
             **{key: best["best"][key] for key in ("backend", "dtype", "noise", "k", "perplexity",
                                                    "perplexity_increase", "decode_ms")},
-            "within_noise": [config_label(r) for r in best["within_noise"]]},
+            "within_noise": [label(r) for r in best["within_noise"]]},
         "stages": stages or [],
         "parity": parity,
         "bench": bench,
@@ -183,21 +184,20 @@ def mib(value) -> str:
     return "—" if value is None else sig(value / 2**20)
 
 
-def config_label(row: dict) -> str:
-    return f"{row['backend']} {row['dtype']} K={row['k']} {row['noise']}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Sections
 
 
 def skipped_lines(rows: List[dict], key) -> List[str]:
-    """One line per backend (and precision) whose every row was skipped, with the reason once."""
+    """One line per backend whose every row of a key (backend, or backend and precision) was
+    skipped for the same reason, naming the precisions: the reason once."""
     lines = {}
     for r in rows:
         if all(o["status"] == "skipped" for o in rows if key(o) == key(r)):
-            lines.setdefault(key(r), f"{' '.join(key(r))}: skipped, {r['reason']}")
-    return list(lines.values())
+            dtypes = lines.setdefault((r["backend"], r["reason"]), [])
+            if r["dtype"] not in dtypes:
+                dtypes.append(r["dtype"])
+    return [f"{backend} {', '.join(dtypes)}: skipped, {reason}" for (backend, reason), dtypes in lines.items()]
 
 
 def groups(rows: List[dict]):
@@ -256,8 +256,7 @@ def latency_tables(report: dict) -> List[Section]:
         cells = []
         for previous, r in zip([None] + ran, ran):
             same = previous is not None and all(previous[key] == r[key] for key in ("backend", "phase", "batch", "seq"))
-            noisy = same and previous["latency_ms"]["ci_low"] <= r["latency_ms"]["ci_high"] \
-                and r["latency_ms"]["ci_low"] <= previous["latency_ms"]["ci_high"]
+            noisy = same and within_noise(previous["latency_ms"], r["latency_ms"])
             cells.append([r["backend"], str(r["k"]), r["phase"], str(r["batch"]), str(r["seq"]),
                           f"{r['iters']}{'' if r['stable'] else ' †'}",
                           ("≈ " if noisy else "") + interval(r["latency_ms"]), sig(r["latency_ms"]["p90"]),
@@ -363,10 +362,12 @@ def recommendation_line(report: dict) -> Optional[str]:
     best = report["recommendation"]
     if best is None:
         return None
-    text = (f"Fastest within the parity budget: {config_label(best)}, {interval(best['decode_ms'])} ms per decode "
+    text = (f"Fastest within the parity budget: {label(best)}, {interval(best['decode_ms'])} ms per decode "
             f"step, perplexity {ppl(best['perplexity'])} ({signed_pct(best['perplexity_increase'])} vs float).")
-    if best["within_noise"]:
-        text += f" Within noise of it: {', '.join(best['within_noise'])}."
+    others = best["within_noise"]
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        text += f" Within noise of it: {', '.join(others[:3])}{more}."
     return text
 
 
