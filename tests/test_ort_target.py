@@ -168,6 +168,24 @@ def test_generation_on_the_shared_buffer(exports):
     assert shared == plain == reference
 
 
+def test_shared_cache_with_sampled_noise_and_starts(model, tmp_path):
+    """The extra outputs (expert_starts.{i}) come back beside the logits, step after step."""
+    exported = export_onnx(model, tmp_path / "m.onnx", k=3, noise="sampled", with_starts=True, target="onnxruntime")
+    io, rng = exported.io, np.random.default_rng(0)
+    ids, noise = rng.integers(0, 256, (1, 7)), rng.standard_normal((1, 7, 3))
+    with OrtRunner(io, exported, kernel=False) as runner:
+        cache = runner.shared_cache()
+        past = None
+        for start, stop in ((0, 5), (5, 6), (6, 7)):
+            shared = cache.step(ids[:, start:stop], noise[:, start:stop])
+            plain = runner.infer(io.feed(ids[:, start:stop], np.ones((1, stop), np.int64), past, noise[:, start:stop]),
+                                 check_inputs=False)
+            past = [plain[n.replace("past_key_values", "present")] for n in io.past_names]
+            assert sorted(shared) == sorted(["logits"] + [f"expert_starts.{i}" for i in range(CONFIG.n_layer)])
+            for name, value in shared.items():
+                np.testing.assert_allclose(value, plain[name], atol=1e-5)
+
+
 def test_shared_cache_bad_input(exports):
     with OrtRunner(exports["onnxruntime"].io, exports["onnxruntime"], kernel=False) as runner:
         cache = runner.shared_cache()
