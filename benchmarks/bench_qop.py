@@ -2,14 +2,15 @@
 (issue 16 item 3, issue 10's op-alone figures), on bench_op's GPT-2-Small-size layer (D 768,
 H 6144, r 1536, 12 weight copies cycled so that weights come from memory).
 
-Decode (one token), K = 1, 2, 8, at 1 and 2 intra-op threads: the fp32, int8 and int4 op, a
-MatMul [1, 768] x [768, 12288] cycling over 4 weights (151 MB, far beyond the caches), a tiny op
-(H 16, r 1) and an Identity node fed the same six inputs, all taking turns call by call (the order rotates every round). Reported:
-medians of each, the op's GB/s (the bytes it must read: the union rows of w_in and w_out with
-their scales, and b_in) and the ratios of adjacent calls (op GB/s over MatMul GB/s, int4 speed over
-fp32 speed), medians over the rounds, so a change in the shared machine's load hits both sides of
-a ratio alike. Fixed cost per node = tiny op minus Identity. Prefill: 512 tokens, each quantized
-kernel's time over the fp32 kernel's, paired the same way.
+Decode (one token), K = 1, 2, 8, at 1 and 2 intra-op threads: the fp32, int8 and int4 op and a
+MatMul [1, 768] x [768, 12288] cycling over 4 weights (151 MB, far beyond the caches), taking
+turns call by call (the order rotates every round). Reported: medians of each, the op's GB/s (the
+bytes it must read: the union rows of w_in and w_out with their scales, and b_in) and the ratios
+of adjacent calls (op GB/s over MatMul GB/s, int4 speed over fp32 speed), medians over the
+rounds, so a change in the shared machine's load hits both sides of a ratio alike. Fixed cost per
+node: a tiny op (H 16, r 1) against an Identity node fed the same six inputs, in a tight loop of
+their own, paired the same way. Prefill: 512 tokens, each quantized kernel's time over the fp32
+kernel's, paired the same way.
 
     .venv/bin/python benchmarks/bench_qop.py [--rounds 200] [--json runs/bench_qop.json]
 
@@ -128,7 +129,7 @@ def main():
         print(f"\n{threads} thread(s): decode, 1 token, median of {args.rounds} calls each; ratios of adjacent calls")
         print(f"{'K':>2} {'rows':>5} | {'fp32 us':>8} {'int8 us':>8} {'int4 us':>8} {'MatMul us':>9} | "
               f"{'fp32 GB/s':>9} {'int8':>6} {'int4':>6} {'MatMul':>6} | {'fp32/MM':>7} {'int8/MM':>7} "
-              f"{'int4/MM':>7} | {'int4 x':>6} {'int8 x':>6} | {'fixed us':>8}")
+              f"{'int4/MM':>7} | {'int4 x':>6} {'int8 x':>6}")
         for k in [int(k) for k in args.k.split(",")]:
             starts = make_starts(1, k, rng).reshape(1, 1, k)
             rows = union_rows(starts.reshape(1, k))
@@ -140,9 +141,6 @@ def main():
 
             calls = {p: op(p) for p in PRECISIONS}
             calls["matmul"] = lambda i: matmul.run_with_ort_values(["Y"], dict(X=matmul_x, W=matmul_w[i % MATMUL_COPIES]))
-            tiny_starts = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 1), np.int64))
-            calls["tiny"] = lambda i: tiny_op.run_with_ort_values(["Y"], dict(X=x, starts=tiny_starts, **tiny))
-            calls["identity"] = lambda i: identity.run_with_ort_values(["Y"], dict(X=x, starts=tiny_starts, **tiny))
             t = interleaved(calls, args.rounds)
             mm_bytes = D * MATMUL_N * 4
             gb_s = {p: [rows * row_bytes(p) / v / 1e9 for v in t[p]] for p in PRECISIONS}
@@ -151,13 +149,24 @@ def main():
                        us={n: 1e6 * statistics.median(v) for n, v in t.items()},
                        gb_s={n: statistics.median(v) for n, v in gb_s.items()},
                        vs_matmul={p: median_ratio(gb_s[p], gb_s["matmul"]) for p in PRECISIONS},
-                       speed_vs_fp32={p: median_ratio(t["fp32"], t[p]) for p in BITS},
-                       fixed_us=1e6 * statistics.median(a - b for a, b in zip(t["tiny"], t["identity"])))
+                       speed_vs_fp32={p: median_ratio(t["fp32"], t[p]) for p in BITS})
             results["decode"].append(row)
             us, g, v, x32 = row["us"], row["gb_s"], row["vs_matmul"], row["speed_vs_fp32"]
             print(f"{k:>2} {rows:>5.0f} | {us['fp32']:>8.1f} {us['int8']:>8.1f} {us['int4']:>8.1f} {us['matmul']:>9.1f} | "
                   f"{g['fp32']:>9.1f} {g['int8']:>6.1f} {g['int4']:>6.1f} {g['matmul']:>6.1f} | {v['fp32']:>7.2f} "
-                  f"{v['int8']:>7.2f} {v['int4']:>7.2f} | {x32['int4']:>6.2f} {x32['int8']:>6.2f} | {row['fixed_us']:>8.1f}")
+                  f"{v['int8']:>7.2f} {v['int4']:>7.2f} | {x32['int4']:>6.2f} {x32['int8']:>6.2f}")
+
+        # Fixed cost: a tight loop of the tiny op and the Identity taking turns, paired differences.
+        x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, 1, D)).astype(np.float32))
+        feeds = dict(X=x, starts=ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 1), np.int64)), **tiny)
+        t = interleaved({"tiny": lambda i: tiny_op.run_with_ort_values(["Y"], feeds),
+                         "identity": lambda i: identity.run_with_ort_values(["Y"], feeds)}, 20 * args.rounds)
+        fixed = dict(threads=threads, tiny_us=1e6 * statistics.median(t["tiny"]),
+                     identity_us=1e6 * statistics.median(t["identity"]),
+                     per_node_us=1e6 * statistics.median(a - b for a, b in zip(t["tiny"], t["identity"])))
+        results.setdefault("fixed", []).append(fixed)
+        print(f"fixed cost per node: tiny op {fixed['tiny_us']:.1f} us, Identity with the same inputs "
+              f"{fixed['identity_us']:.1f} us, paired difference {fixed['per_node_us']:.1f} us")
 
         n = args.prefill_tokens
         print(f"\n{threads} thread(s): prefill, {n} tokens, median of {args.prefill_rounds}; quantized time / fp32 time")
