@@ -282,9 +282,14 @@ template <class Format>
 inline float Dot(const Format& w, int64_t i, const Lanes<Format::kWidth>* x, int64_t full, int64_t tail) {
   constexpr int W = Format::kWidth;
   const typename Format::Row row = w.At(i);
-  Lanes<W> acc[4] = {};
-  for (int64_t u = 0; u < full; ++u) acc[u & 3] += w.Values(row, u, W) * (x[u] * w.Scale(row, u >> w.block_shift));
-  if (tail) acc[full & 3] += w.Values(row, full, tail) * (x[full] * w.Scale(row, full >> w.block_shift));
+  auto term = [&](int64_t u, int64_t n) { return w.Values(row, u, n) * (x[u] * w.Scale(row, u >> w.block_shift)); };
+  // Four named chains, not an array indexed by u: GCC keeps an indexed array in memory.
+  Lanes<W> a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t u = 0;
+  for (; u + 4 <= full; u += 4) a0 += term(u, W), a1 += term(u + 1, W), a2 += term(u + 2, W), a3 += term(u + 3, W);
+  Lanes<W> acc[4] = {a0, a1, a2, a3};
+  for (; u < full; ++u) acc[u & 3] += term(u, W);
+  if (tail) acc[full & 3] += term(full, tail);
   return SumLanes<W>((acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
 
