@@ -74,25 +74,13 @@ void RequireValidStarts(const int64_t* starts, const infmoe::Sizes& s) {
   if (!problem.empty()) Fail(problem);
 }
 
-// An int64 attribute; `absent` is returned when it is missing, a value of another type is refused.
-int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* name, const char* what, const int64_t* absent) {
+// A required int64 attribute; missing or of another type is refused.
+int64_t RequiredInt(const Ort::ConstKernelInfo& info, const char* name, const char* what) {
   try {
     return info.GetAttribute<int64_t>(name);
   } catch (const Ort::Exception&) {
+    Fail(std::string("attribute '") + name + "' (an int, " + what + ") is required");
   }
-  bool present = false;
-  try {
-    (void)info.GetAttribute<float>(name);
-    present = true;
-  } catch (const Ort::Exception&) {
-  }
-  try {
-    (void)info.GetAttribute<std::string>(name);
-    present = true;
-  } catch (const Ort::Exception&) {
-  }
-  if (present || absent == nullptr) Fail(std::string("attribute '") + name + "' (an int, " + what + ") is required");
-  return *absent;
 }
 
 // Attributes shared by the ops and the CPU and CUDA kernels.
@@ -137,9 +125,9 @@ struct QuantizedAttributes : Attributes {
 
   explicit QuantizedAttributes(const OrtKernelInfo* info) : Attributes(info) {
     Ort::ConstKernelInfo kernel_info(info);
-    const int64_t bits = IntAttribute(kernel_info, "bits", "4 or 8", nullptr);
+    const int64_t bits = RequiredInt(kernel_info, "bits", "4 or 8");
     if (bits != 4 && bits != 8) Fail("bits must be 4 or 8, got " + std::to_string(bits));
-    const int64_t block = IntAttribute(kernel_info, "block_size", "a power of two >= 16", nullptr);
+    const int64_t block = RequiredInt(kernel_info, "block_size", "a power of two >= 16");
     if (block < 16 || (block & (block - 1)) != 0) Fail("block_size must be a power of two >= 16, got " + std::to_string(block));
     quantization = {bits, block};
   }
