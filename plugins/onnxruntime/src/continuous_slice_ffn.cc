@@ -313,7 +313,7 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
   const int64_t full = s.d / W, tail = s.d % W, units = full + (tail ? 1 : 0);
   // Chunks of a fixed number of rows (from the format's row size, never from the thread count).
   const int64_t chunk_rows =
-      std::clamp<int64_t>(kChunkBytes / (w_in.RowBytes() + w_out.RowBytes()) / 4 * 4, 4, kMaxChunkRows);
+      std::clamp<int64_t>(kChunkBytes / (w_in.RowBytes() + w_out.RowBytes()), 1, kMaxChunkRows);
   struct Chunk {
     int64_t token, lo, hi;
   };
