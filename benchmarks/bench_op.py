@@ -20,7 +20,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import tempfile
 import threading
 import time
 
@@ -30,6 +29,7 @@ import torch
 
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts
 from infmoe_export.export.function import op_model
+from infmoe_export.files import atomic_write
 from infmoe_export.runtimes import ort_kernel
 
 D, H, R, LAYERS = 768, 6144, 1536, 12
@@ -179,9 +179,7 @@ def main():
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as out:
-            json.dump(results, out, indent=2)
-        os.replace(out.name, args.json)
+        atomic_write(args.json, json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {args.json}")
 
 

@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -34,6 +33,7 @@ from onnx import TensorProto, helper
 from bench_op import D, H, LAYERS, R, make_starts, union_rows
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, n_blocks, packed_columns
+from infmoe_export.files import atomic_write
 from infmoe_export.runtimes import ort_kernel
 
 BLOCK = 32
@@ -187,9 +187,7 @@ def main():
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as out:
-            json.dump(results, out, indent=2)
-        os.replace(out.name, args.json)
+        atomic_write(args.json, json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {args.json}")
 
 

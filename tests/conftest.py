@@ -80,3 +80,15 @@ def run_cli(capsys, monkeypatch):
         out, err = capsys.readouterr()
         return code, out, err
     return run
+
+
+@pytest.fixture(scope="module")
+def library():
+    """The installed onnxruntime kernel library, or a skip that says how to get it."""
+    from infmoe_export.runtimes import ort_kernel
+
+    path = ort_kernel.custom_op_library()
+    if path is None:
+        pytest.skip("the onnxruntime kernel library is not installed (the package build found no C++ "
+                    "compiler); reinstall with one: pip install -e .")
+    return path

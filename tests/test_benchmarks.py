@@ -9,8 +9,9 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["bench_ort", "bench_op", "bench_decode", "quant_quality"])
-def test_benchmark_imports(name):
+@pytest.mark.parametrize("name", ["bench_ort", "bench_op", "bench_qop", "bench_decode", "quant_quality"])
+def test_benchmark_imports(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run from benchmarks/: bench_qop imports bench_op
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # top-level code only: main() is behind __main__

@@ -15,15 +15,6 @@ from infmoe_export.model import continuous_slice_ffn
 from infmoe_export.runtimes import ort_kernel
 
 
-@pytest.fixture(scope="module")
-def library():
-    path = ort_kernel.custom_op_library()
-    if path is None:
-        pytest.skip("the onnxruntime kernel library is not installed (the package build found no C++ "
-                    "compiler); reinstall with one: pip install -e .")
-    return path
-
-
 def test_library_is_the_one_the_package_build_installed(library, monkeypatch):
     """Without the override, the library comes from the installed distribution (site-packages,
     also for an editable install), never from a build folder of the source tree."""

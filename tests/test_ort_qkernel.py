@@ -21,15 +21,6 @@ SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "
 NAMES = ("X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out")
 
 
-@pytest.fixture(scope="module")
-def library():
-    path = ort_kernel.custom_op_library()
-    if path is None:
-        pytest.skip("the onnxruntime kernel library is not installed (the package build found no C++ "
-                    "compiler); reinstall with one: pip install -e .")
-    return path
-
-
 def q_model(r, quantization, dtype=np.float32, types=None, **attributes):
     """The one-node model of the op, quantization = (bits, block size); `types` overrides inputs' element types and `attributes` the
     node's (None drops one): the bad-input tests."""

@@ -269,7 +269,8 @@ def test_register_accepts_the_parsers_nul_terminated_activation(stub_plugin):
 
 # The AOT implementation run as TensorRT runs it at build time, in a fresh interpreter without
 # TRITON_INTERPRET (the compiler needs real @triton.jit kernels), the GPU (sm_90) and driver
-# (CUDA 12.4) given, so no CUDA driver or Triton driver helper is touched.
+# (CUDA 12.4) given, so no CUDA driver or Triton driver helper is touched; every PTX goes
+# through ptxas for its target. CALLS: (key, plugin, [(shape, DataType name)], attributes).
 AOT_SCRIPT = """
 import json, re, subprocess, sys, tempfile
 STUB
@@ -280,34 +281,39 @@ driver.compute_capability = lambda: 90
 driver.driver_cuda_version = lambda: (12, 4)
 from triton.backends.nvidia.compiler import get_ptxas
 import infmoe_trt.plugin
-aot = trtp.registered["infmoe::ContinuousSliceFFN"]["aot_impl"]
 report = {}
-for dtype in ("float32", "float16"):
-    t = "DataType." + dtype
-    inputs = [trtp.TensorDesc((-2, -3, 19), t), trtp.TensorDesc((-2, -3, 3), "DataType.int64"),
-              trtp.TensorDesc((37, 19), t), trtp.TensorDesc((37,), t), trtp.TensorDesc((37, 19), t),
-              trtp.TensorDesc((19,), t)]
-    name, ptx, launch, extra = aot(*inputs, 5, "gelu_tanh\\x00", (inputs[0].like(),), 0)
+for key, plugin, descs, attributes in CALLS:
+    aot = trtp.registered[plugin]["aot_impl"]
+    inputs = [trtp.TensorDesc(shape, "DataType." + t) for shape, t in descs]
+    name, ptx, launch, extra = aot(*inputs, *attributes, (inputs[0].like(),), 0)
     entry = re.search(r"\\.entry\\s+(\\w+)\\(([^)]*)\\)", ptx)
     arch = re.search(r"\\.target\\s+(sm_\\w+)", ptx).group(1)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     ptxas = subprocess.run([get_ptxas(90).path, "-arch=" + arch, f.name, "-o", "/dev/null"],
                            capture_output=True, text=True)
-    report[dtype] = dict(name=name, entry=entry.group(1), params=entry.group(2).count(".param"),
-                         version=re.search(r"\\.version\\s+(\\S+)", ptx).group(1), arch=arch,
-                         grid=[launch.grid_x, launch.grid_y], block_x=launch.block_x, extra=extra.length,
-                         extra_type=type(extra).__name__, ptxas=ptxas.returncode, err=ptxas.stderr[-300:])
+    report[key] = dict(name=name, entry=entry.group(1), params=entry.group(2).count(".param"),
+                       version=re.search(r"\\.version\\s+(\\S+)", ptx).group(1), arch=arch,
+                       grid=[launch.grid_x, launch.grid_y], block_x=launch.block_x, extra=extra.length,
+                       extra_type=type(extra).__name__, ptxas=ptxas.returncode, err=ptxas.stderr[-300:])
 print(json.dumps(report))
 """
 
 
-def test_aot_impl_returns_ptx_with_tensorrts_arguments_for_the_drivers_ptx_version():
+def run_aot(calls, timeout=300) -> dict:
+    """The AOT_SCRIPT report for calls, from its own interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = AOT_SCRIPT.replace("STUB", inspect.getsource(tensorrt_stub))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    script = AOT_SCRIPT.replace("STUB", inspect.getsource(tensorrt_stub)).replace("CALLS", repr(calls))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_aot_impl_returns_ptx_with_tensorrts_arguments_for_the_drivers_ptx_version():
+    calls = [(t, "infmoe::ContinuousSliceFFN",
+              [((-2, -3, 19), t), ((-2, -3, 3), "int64"), ((37, 19), t), ((37,), t), ((37, 19), t), ((19,), t)],
+              (5, "gelu_tanh\x00")) for t in ("float32", "float16")]
+    report = run_aot(calls)
     for dtype, r in report.items():
         assert r["entry"] == r["name"] == "continuous_slice_ffn_kernel"
         assert r["params"] == 7, f"{dtype}: 6 input pointers + Y, no hidden scratch pointers"

@@ -9,18 +9,15 @@ and INFMOE_TEST_SEED=<n> replays a run. Shapes are small: the interpreter runs e
 Python.
 """
 
-import inspect
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
 import pytest
 import torch
 # The tiny config, the stand-ins for tensorrt and the fake engine folder of the float tests.
-from test_tensorrt import TINY, needs_tensorrt, stub_plugin, tensorrt_stub, write_fake_build  # noqa: F401
+from test_tensorrt import TINY, needs_tensorrt, run_aot, stub_plugin, write_fake_build  # noqa: F401
 
 from infmoe_export.contract import ExportedModel
 from infmoe_export.errors import InfMoEError
@@ -256,49 +253,17 @@ def test_compile_ptx_refuses_bad_bits_and_block_size_before_compiling():
         trt_compile.compile_ptx("fp32", 37, 19, 5, 3, bits=8, block_size=48, capability=90)
 
 
-# The quantized plugin's AOT implementation as TensorRT runs it at build time, in a fresh
-# interpreter without TRITON_INTERPRET, for an sm_90 GPU and a CUDA 12.4 driver (given, so no
-# driver is touched), every PTX through ptxas for its target.
-Q_AOT_SCRIPT = """
-import json, re, subprocess, sys, tempfile
-STUB
-trt, trtp = tensorrt_stub()
-sys.modules["tensorrt"], sys.modules["tensorrt.plugin"] = trt, trtp
-import infmoe_trt.cuda_driver as driver
-driver.compute_capability = lambda: 90
-driver.driver_cuda_version = lambda: (12, 4)
-from triton.backends.nvidia.compiler import get_ptxas
-import infmoe_trt.plugin
-aot = trtp.registered["infmoe::QContinuousSliceFFN"]["aot_impl"]
-report = {}
-for bits, block, D in ((8, 32, 45), (4, 16, 45), (4, 64, 70)):
-    for dtype in ("float32", "float16"):
-        t = "DataType." + dtype
-        packed, blocks = (D if bits == 8 else (D + 1) // 2), -(-D // block)
-        shapes = [(-2, -3, D), (-2, -3, 3), (37, packed), (37, blocks), (37,), (37, packed), (37, blocks), (D,)]
-        types = [t, "DataType.int64", "DataType.int8", t, t, "DataType.int8", t, t]
-        inputs = [trtp.TensorDesc(s, ty) for s, ty in zip(shapes, types)]
-        name, ptx, launch, extra = aot(*inputs, 5, "gelu_tanh\\x00", bits, block, (inputs[0].like(),), 0)
-        entry = re.search(r"\\.entry\\s+(\\w+)\\(([^)]*)\\)", ptx)
-        arch = re.search(r"\\.target\\s+(sm_\\w+)", ptx).group(1)
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(ptx)
-        ptxas = subprocess.run([get_ptxas(90).path, "-arch=" + arch, f.name, "-o", "/dev/null"],
-                               capture_output=True, text=True)
-        report[f"int{bits}-b{block}-D{D}-{dtype}"] = dict(
-            name=name, entry=entry.group(1), params=entry.group(2).count(".param"),
-            version=re.search(r"\\.version\\s+(\\S+)", ptx).group(1), arch=arch, grid=[launch.grid_x, launch.grid_y],
-            block_x=launch.block_x, extra=extra.length, ptxas=ptxas.returncode, err=ptxas.stderr[-300:])
-print(json.dumps(report))
-"""
-
-
 def test_q_aot_impl_gives_ptx_that_ptxas_assembles_for_sm_90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Q_AOT_SCRIPT.replace("STUB", inspect.getsource(tensorrt_stub))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    """The quantized plugin's AOT implementation as TensorRT runs it at build time (run_aot)."""
+    calls = []
+    for bits, block, D in ((8, 32, 45), (4, 16, 45), (4, 64, 70)):
+        packed, blocks = (D if bits == 8 else (D + 1) // 2), -(-D // block)
+        for t in ("float32", "float16"):
+            shapes = [(-2, -3, D), (-2, -3, 3), (37, packed), (37, blocks), (37,), (37, packed), (37, blocks), (D,)]
+            types = [t, "int64", "int8", t, t, "int8", t, t]
+            calls.append((f"int{bits}-b{block}-D{D}-{t}", "infmoe::QContinuousSliceFFN", list(zip(shapes, types)),
+                          (5, "gelu_tanh\x00", bits, block)))
+    report = run_aot(calls, timeout=600)
     assert len(report) == 6
     for what, r in report.items():
         assert r["entry"] == r["name"] == "q_continuous_slice_ffn_kernel", what
