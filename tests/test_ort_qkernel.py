@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
 from infmoe_export.runtimes import ort_kernel
+from test_ort_kernel import make_starts, relative_error
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 NAMES = ("X", "starts", "w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out")
@@ -44,25 +45,6 @@ def session(model, threads=1):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def make_starts(rng, lead, k, h, r, windows):
-    """'random', 'overlapping' (within r/2 of each other), 'disjoint' (k windows that do not
-    touch), 'edges' (random, with the first at 0 and the last at H - r)."""
-    last = h - r
-    if windows == "overlapping":
-        base = rng.integers(0, last + 1, size=lead + (1,))
-        starts = np.clip(base + rng.integers(0, max(1, r // 2), size=lead + (k,)), 0, last)
-    elif windows == "disjoint":
-        assert k * r <= h
-        cuts = np.sort(rng.integers(0, h - k * r + 1, size=lead + (k,)), axis=-1)
-        starts = cuts + np.arange(k) * r
-    else:
-        starts = rng.integers(0, last + 1, size=lead + (k,))
-        if windows == "edges":
-            starts[..., 0] = 0
-            starts[..., -1] = last
-    return starts.astype(np.int64)
-
-
 def make_feeds(rng, lead, d, h, r, k, bits, block_size, windows="random", dtype=np.float32):
     def normal(*shape, scale=1.0):
         return torch.from_numpy(rng.standard_normal(shape) * scale).float()
@@ -82,10 +64,6 @@ def reference(feeds, r, bits, block_size):
     tensors = [torch.from_numpy(feeds[n]) for n in NAMES]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
     return q_continuous_slice_ffn(*tensors, r, bits, block_size).numpy()
-
-
-def relative_error(y, ref):
-    return float(np.abs(y.astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
 # (leading dims, D, H, r, K, windows, block size): H a prime, D not a multiple of the block (odd
