@@ -282,8 +282,9 @@ def test_tradeoff_has_every_backend_noise_and_k(setup):
         assert r["perplexity"] > 1 and r["decode_ms"]["median"] > 0 and r["prefill_tokens_per_s"] > 0
         assert r["parity"] == "reference" and r["perplexity_increase"] == 0.0 and r["dtype"] == "fp32"
     best = setup["report"]["recommendation"]
-    fastest = min((r for r in rows if r["parity"] in ("pass", "reference") and r["decode_ms"]),
-                  key=lambda r: r["decode_ms"]["median"])
+    # Among quantile-noise rows (the deployment mode, what the chart shows) that passed.
+    fastest = min((r for r in rows if r["parity"] in ("pass", "reference") and r["decode_ms"]
+                   and r["noise"] == "quantile"), key=lambda r: r["decode_ms"]["median"])
     assert (best["backend"], best["k"], best["noise"]) == (fastest["backend"], fastest["k"], fastest["noise"])
 
 
