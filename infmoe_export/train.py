@@ -37,6 +37,25 @@ def optimizer_for(model: InfMoEGPT, lr: float, weight_decay: float) -> torch.opt
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+TRAINING_NOISE = ("sampled", "stratified")
+
+
+def training_noise(mode: str, shape, generator: torch.Generator) -> torch.Tensor:
+    """eps [B, T, K] for one training step.
+
+    sampled: eps ~ N(0, 1) per token and sample, the paper's Monte-Carlo estimator.
+    stratified: sample k drawn from its own 1/K slice of the Gaussian, Phi^-1((k - 1 + U) / K)
+    with U ~ U(0, 1): still an unbiased estimate of the expected layer output, with K windows that
+    always span the router's whole spread, as the deployed quantile noise (U = 1/2) does."""
+    if mode == "sampled":
+        return torch.randn(shape, generator=generator)
+    if mode == "stratified":
+        k = shape[-1]
+        u = torch.rand(shape, generator=generator, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+        return torch.special.ndtri((torch.arange(k, dtype=torch.float64) + u) / k).float()
+    raise InfMoEError(f"training noise must be one of {TRAINING_NOISE}, got {mode!r}")
+
+
 def random_batch(ids: torch.Tensor, batch_size: int, length: int, generator: torch.Generator):
     """batch_size random chunks of length + 1 bytes: inputs and next-byte targets."""
     starts = torch.randint(0, len(ids) - length, (batch_size,), generator=generator)
@@ -76,7 +95,7 @@ def router_entropies(model: InfMoEGPT):
 def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequence[torch.Tensor], *,
                 steps: int, batch_size: int, lr: float, seed: int, eval_every: int,
                 weight_decay: float = 0.1, warmup: Optional[int] = None, spread_weight: float = 0.0,
-                on_step: Optional[Callable[[int, float, Optional[float]], None]] = None):
+                noise: str = "sampled", on_step: Optional[Callable[[int, float, Optional[float]], None]] = None):
     """Returns (model in eval mode, log: a list of {step, lr, loss[, spread][, val_loss]} records).
 
     The loss minimised is cross-entropy - spread_weight * mean start entropy (over tokens and
@@ -108,7 +127,8 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
             group["lr"] = lr_at(step, steps, lr, warmup)
         x, y = random_batch(train_ids, batch_size, length, data_generator)
         with router_entropies(model) as entropies:
-            logits = model(x, noise="sampled", generator=noise_generator).logits
+            eps = training_noise(noise, (*x.shape, config.num_samples), noise_generator)
+            logits = model(x, expert_noise=eps).logits
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         spread = torch.stack([e.mean() for e in entropies]).mean() if entropies else None
         objective = loss - spread_weight * spread if spread is not None and spread_weight else loss

@@ -227,3 +227,22 @@ def test_window_union_counts_each_hidden_unit_once():
     expected = [len({u for s in row.tolist() for u in range(s, s + r)}) for row in starts]
     assert window_union(starts, r).tolist() == expected
     assert expected[0] == r and expected[1] == 5 * r
+
+
+def test_stratified_training_noise_puts_one_sample_in_each_stratum():
+    """Sample k of every token lies in its own 1/K quantile slice of N(0, 1), the K slices are
+    all hit, and within a slice the draw is spread over it (not the deployed midpoint)."""
+    from infmoe_export.train import training_noise
+
+    k = 5
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    eps = training_noise("stratified", (3, 400, k), generator)
+    levels = torch.special.ndtr(eps.double())
+    stratum = torch.floor(levels * k)
+    assert torch.equal(stratum, torch.arange(k, dtype=torch.float64).expand_as(stratum))
+    within = levels * k - stratum  # U of each draw
+    assert within.min() < 0.05 and within.max() > 0.95 and abs(within.mean().item() - 0.5) < 0.05
+    sampled = training_noise("sampled", (3, 400, k), generator)
+    assert abs(sampled.mean().item()) < 0.1 and not torch.equal(torch.floor(torch.special.ndtr(sampled.double()) * k), stratum)
+    with pytest.raises(InfMoEError, match="training noise"):
+        training_noise("quantile", (1, 1, 1), generator)

@@ -14,7 +14,7 @@ from ..files import check_replaceable_dir
 from ..limits import check_fits, forward_bytes
 from ..model import InfMoEConfig
 from ..options import FiniteFloat, SEED, THREADS, set_threads
-from ..train import EVAL_WINDOWS, TRAIN_LOG, train_model
+from ..train import EVAL_WINDOWS, TRAIN_LOG, TRAINING_NOISE, train_model
 
 
 @click.command("train")
@@ -34,10 +34,12 @@ from ..train import EVAL_WINDOWS, TRAIN_LOG, train_model
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--spread-weight", type=FiniteFloat(min=0, max=100), default=0.0, show_default=True,
               help="Weight of the training-only term that keeps each token's windows apart (docs/model.md).")
+@click.option("--training-noise", type=click.Choice(TRAINING_NOISE), default="sampled", show_default=True,
+              help="How the K training samples are drawn (docs/model.md).")
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="Torch threads (default: $OMP_NUM_THREADS, else min(4, CPUs)).")
 def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width, num_samples,
-                  n_positions, steps, batch_size, lr, seed, spread_weight, eval_every, threads):
+                  n_positions, steps, batch_size, lr, seed, spread_weight, training_noise, eval_every, threads):
     """Train an ∞-MoE model from scratch on a byte corpus."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -67,12 +69,12 @@ def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width
 
         model, log = train_model(config, train_ids, val_windows, steps=steps, batch_size=batch_size,
                                  lr=lr, seed=seed, eval_every=eval_every, spread_weight=spread_weight,
-                                 on_step=on_step)
+                                 noise=training_noise, on_step=on_step)
     summary = {
         "command": shlex.join(["infmoe-export", *sys.argv[1:]]),
         "corpus": str(corpus) if corpus is not None else "stdlib",
         "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads,
-        "spread_weight": spread_weight,
+        "spread_weight": spread_weight, "training_noise": training_noise,
         "train_bytes": len(train_ids), "validation_bytes": sum(len(w) for w in val_windows),
         "final_val_loss": log[-1]["val_loss"], "wall_s": round(time.time() - started, 1),
     }
