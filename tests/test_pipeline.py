@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from infmoe_export.checkpoint import save_checkpoint
+from infmoe_export.contract import ExportedModel
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
 from infmoe_export.report.render import validate_report
 
@@ -52,8 +53,8 @@ def test_pipeline_succeeds_and_writes_reports(run):
     assert sorted(p.name for p in out.iterdir()) == [".infmoe-export", "baselines", "models", "report.html",
                                                      "report.json", "report.md", "tradeoff.png"]
     assert not [p for p in out.parent.iterdir() if ".staging." in p.name]  # the staging folder was published
-    assert sorted(p.name for p in (out / "models" / "fp32").iterdir()) == ["model_k2_quantile.onnx",
-                                                                          "model_k2_sampled.onnx"]
+    assert sorted(p.name for p in (out / "models" / "fp32").iterdir()) == ["model_k2_quantile_fp32.onnx",
+                                                                          "model_k2_sampled_fp32.onnx"]
 
 
 def test_pipeline_report_content(run):
@@ -120,10 +121,34 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
     (["--dtype", "fp64"], "--dtype must be a comma-separated list of fp32, fp16, int8, int4"),
     (["--dtype", "int4", "--block-size", "24"], "--block-size: block size must be a power of two >= 16"),
     (["--baseline", "/nonexistent"], "is not a checkpoint"),
+    (["--dtype", "fp32,fp16", "--quantize-other", "int4"], "--quantize-other int4 applies to int8 / int4 models"),
 ])
 def test_pipeline_bad_input_is_one_line(tmp_path, run_cli, args, message):
     status, _, err = run_cli("pipeline", "--out", str(tmp_path / "out"), *args)
     assert status == 1 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_pipeline_quantize_other(checkpoint, tmp_path, run_cli):
+    """--quantize-other reaches the int4 models, the fp32 reference stays float, and parity runs
+    each at its own level 1."""
+    import torch
+
+    threads = torch.get_num_threads()
+    status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+                             "--k", "1", "--noise", "quantile", "--no-baselines", *FAST, "--dtype", "fp32,int4",
+                             "--block-size", "16", "--quantize-other", "int4", "--max-ppl-increase", "1000",
+                             "--min-top1", "0")
+    torch.set_num_threads(threads)
+    assert status == 0, err
+    models = tmp_path / "out" / "models"
+    assert [p.name for p in (models / "int4").iterdir()] == ["model_k1_quantile_int4_other-int4.onnx"]
+    assert [p.name for p in (models / "fp32").iterdir()] == ["model_k1_quantile_fp32.onnx"]
+    read = ExportedModel.read(models / "int4" / "model_k1_quantile_int4_other-int4.onnx")
+    assert read.io.quantized == ["experts", "attention", "embedding"]
+    assert ExportedModel.read(models / "fp32" / "model_k1_quantile_fp32.onnx").io.quantized == []
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    level1 = {(r["backend"], r["dtype"]): r["status"] for r in report["parity"]["results"]}
+    assert level1[("ort-fallback", "int4")] == level1[("ort-fallback", "fp32")] == "pass"
 
 
 def test_pipeline_refuses_a_file_as_out(tmp_path, run_cli):

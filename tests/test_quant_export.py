@@ -14,7 +14,7 @@ import torch
 
 from infmoe_export import quant
 from infmoe_export.contract import DecoderIO, ExportedModel
-from infmoe_export.export import export_onnx
+from infmoe_export.export import export_many, export_onnx
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
 from infmoe_export.runtimes.torch_runner import TorchRunner
@@ -236,6 +236,21 @@ def test_cli_exports_and_validates_all_int4(make_checkpoint, tmp_path, run_cli):
     assert code == 0, err
     assert "validated" in err and "level 2" in err
     assert ExportedModel.read(out).io.quantized == ["experts", "attention", "embedding"]
+
+
+def test_export_many_names_each_precision_apart(make_model, tmp_path):
+    """Precisions exported into one folder keep their own files (the name carries the precision)."""
+    model = make_model()
+    exported = [m for options in ({}, {"dtype": "int4", "block_size": 16},
+                                  {"dtype": "int4", "block_size": 16, "quantize_other": "int4"})
+                for m in export_many(model, tmp_path, [1, 2], **options)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(m.path.name for m in exported)
+    assert {m.path.name: (m.io.dtype, m.io.quantize_other, m.k) for m in exported} == {
+        "model_k1_quantile_fp32.onnx": ("fp32", "none", 1), "model_k2_quantile_fp32.onnx": ("fp32", "none", 2),
+        "model_k1_quantile_int4.onnx": ("int4", "none", 1), "model_k2_quantile_int4.onnx": ("int4", "none", 2),
+        "model_k1_quantile_int4_other-int4.onnx": ("int4", "int4", 1),
+        "model_k2_quantile_int4_other-int4.onnx": ("int4", "int4", 2)}
+    assert all(ExportedModel.read(m.path).io == m.io for m in exported)
 
 
 # ---------------------------------------------------------------------------------------------

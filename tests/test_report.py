@@ -550,6 +550,37 @@ def test_bench_command_writes_valid_json(setup, tmp_path, run_cli):
         (b, p) for b in ("torch", "ort-fallback") for p in ("decode", "prefill")}
 
 
+def test_bench_exports_with_quantize_other(setup, tmp_path, run_cli, monkeypatch):
+    """--quantize-other reaches the int8 / int4 exports of bench, not the fp32 one."""
+    import torch
+
+    from infmoe_export.commands import bench
+
+    exported, export_many = [], bench.export_many
+
+    def recording(*args, **kwargs):
+        models = export_many(*args, **kwargs)
+        exported.extend(models)
+        return models
+
+    monkeypatch.setattr(bench, "export_many", recording)
+    threads = torch.get_num_threads()
+    status, _, err = run_cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--dtype", "fp32,int4",
+                             "--block-size", "16", "--quantize-other", "int4", "--backends", "ort-fallback",
+                             "--k", "1", "--batch", "1", "--seq", "1", "--past", "4", "--warmup", "1", "--iters", "3",
+                             "--threads", "1", "--json", str(tmp_path / "bench.json"))
+    torch.set_num_threads(threads)
+    assert status == 0, err
+    assert [(m.path.name, m.io.quantized) for m in exported] == [
+        ("model_k1_quantile_fp32.onnx", []),
+        ("model_k1_quantile_int4_other-int4.onnx", ["experts", "attention", "embedding"])]
+    rows = json.loads((tmp_path / "bench.json").read_text())["bench"]["results"]
+    assert sorted(r["dtype"] for r in rows) == ["fp32", "int4"]
+    status, _, err = run_cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--quantize-other", "int8")
+    assert status == 1 and "--quantize-other int8 applies to int8 / int4 models" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_bench_rejects_sequence_longer_than_model(setup, run_cli):
     status, _, err = run_cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--model",
                          str(setup["models"][0].path), "--seq", "41", "--k", "1")

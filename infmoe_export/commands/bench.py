@@ -10,16 +10,33 @@ import torch
 from rich.console import Console
 
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..contract import QUANTIZE_OTHER
+from ..errors import InfMoEError
 from ..export import export_many
 from ..files import atomic_write, output_file
 from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
-from ..quant import DEFAULT_BLOCK_SIZE
+from ..quant import BITS, DEFAULT_BLOCK_SIZE
 from ..report.bench import DEFAULT_PAST, check_shapes, check_block_size_option, export_options, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, validate_report
 from ..report.timing import REL_CI, environment
 from ..runtimes import registry
 from .trt import precision_list
+
+
+QUANTIZE_OTHER_HELP = ("Precision of attention and the tied embedding / LM head in the int8 / int4 models "
+                       "(docs/quantization.md); fp32 and fp16 models stay float.")
+
+
+def check_quantize_other(dtypes, quantize_other: str) -> None:
+    if quantize_other != "none" and not set(dtypes) & set(BITS):
+        raise InfMoEError(f"--quantize-other {quantize_other} applies to int8 / int4 models, and --dtype has none")
+
+
+def precision_options(dtype: str, block_size: int, quantize_other: str) -> dict:
+    """export_onnx's options of one precision: the float precisions stay all float (they are the
+    reference that level-2 parity compares against)."""
+    return {**export_options(dtype, block_size), **({"quantize_other": quantize_other} if dtype in BITS else {})}
 
 
 @click.command("bench")
@@ -35,6 +52,8 @@ from .trt import precision_list
               help="Precisions of the models exported when no --model is given, comma-separated.")
 @click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
               help="Quantization block size of int8 / int4.")
+@click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default="none", show_default=True,
+              help=QUANTIZE_OTHER_HELP)
 @click.option("--batch", "batch_list", default="1,4", show_default=True, help="Batch sizes, comma-separated.")
 @click.option("--seq", "seq_list", default="1,128", show_default=True,
               help="Sequence lengths: 1 = one decode step with a KV cache of --past tokens, >1 = prefill.")
@@ -50,13 +69,14 @@ from .trt import precision_list
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime (default: their own defaults).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write the results (report schema) here.")
-def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dtype_list, block_size, batch_list,
-                  seq_list, past, warmup, iters, budget_s, rel_ci, memory, threads, json_path):
+def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dtype_list, block_size, quantize_other,
+                  batch_list, seq_list, past, warmup, iters, budget_s, rel_ci, memory, threads, json_path):
     """Latency, throughput and memory per backend, precision and K."""
     backends = registry.parse_backends(backend_list)
     ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
     dtypes = precision_list(dtype_list)
     check_block_size_option(dtypes, block_size)
+    check_quantize_other(dtypes, quantize_other)
     inputs = [checkpoint or DEFAULT_CHECKPOINT, *model_paths, engines]
     if json_path:
         output_file(json_path, inputs=inputs)
@@ -71,7 +91,8 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dty
             registry.check_models(models, torch_model.config)
         else:
             models = [m for dtype in dtypes for m in export_many(torch_model, Path(scratch) / dtype, ks, (noise,),
-                                                                 **export_options(dtype, block_size))]
+                                                                 **precision_options(dtype, block_size,
+                                                                                    quantize_other))]
         engines = Path(engines) if engines else None
         bench = run_bench(torch_model, models, backends=backends, batches=batches, seqs=seqs, past=past,
                           warmup=warmup, iters=iters, budget_s=budget_s, rel_ci=rel_ci, engines=engines,

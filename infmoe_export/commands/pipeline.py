@@ -28,7 +28,7 @@ from ..files import locked, output_dir, staged_dir
 from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
 from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.baselines import baseline_paths, prepare_baselines
-from ..report.bench import DEFAULT_PAST, check_block_size_option, export_options, run_bench
+from ..report.bench import DEFAULT_PAST, check_block_size_option, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, write_report
 from ..report.timing import REL_CI, environment
@@ -36,6 +36,8 @@ from ..runtimes import ort_kernel
 from ..runtimes.tensorrt import build_engines, tensorrt_problem
 from ..verify.parity import DEFAULT_MAX_PPL_INCREASE, DEFAULT_MIN_TOP1, failure_line, run_parity
 from ..verify.validate import validate_onnx
+from ..contract import QUANTIZE_OTHER
+from .bench import QUANTIZE_OTHER_HELP, check_quantize_other, precision_options
 from .trt import precision_list
 
 DEFAULT_OUT = Path("runs") / "pipeline"
@@ -103,6 +105,8 @@ class Stages:
               help="Precisions of the expert weights, comma-separated (fp32, fp16, int8, int4).")
 @click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
               help="Quantization block size of int8 / int4 (SPEC §6).")
+@click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default="none", show_default=True,
+              help=QUANTIZE_OTHER_HELP)
 @click.option("--baseline", "baselines", type=click.Path(), multiple=True,
               help="Baseline checkpoint(s) drawn as reference points (default: the bundled dense baselines, if present).")
 @click.option("--no-baselines", is_flag=True, help="No baselines, not even the bundled ones.")
@@ -117,8 +121,8 @@ class Stages:
               help="Seconds of interleaved timing per latency figure at most.")
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
-def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, block_size, baselines, no_baselines,
-                     max_ppl_increase, min_top1, iters, warmup, budget_s, threads):
+def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, block_size, quantize_other, baselines,
+                     no_baselines, max_ppl_increase, min_top1, iters, warmup, budget_s, threads):
     """The main job: export, validate, parity, latency, memory, reports."""
     ks = positive_ints(ks, "--k")
     noises = [n.strip() for n in noise_list.split(",") if n.strip()]
@@ -126,6 +130,7 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, b
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
     dtypes = precision_list(dtype_list)
     check_block_size_option(dtypes, block_size)
+    check_quantize_other(dtypes, quantize_other)
     baselines = baseline_paths(baselines, bundled=not no_baselines)
     torch_model = load_checkpoint(checkpoint)
     check_forward_memory(torch_model.config, max(BATCHES), torch_model.config.n_positions, max(ks))
@@ -136,8 +141,8 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, b
     # The run is staged beside --out and published over it at the end (also when parity fails:
     # the report says so); a run that stops early leaves the previous one whole.
     with locked(out), staged_dir(out) as work:
-        settings = dict(ks=ks, noises=noises, dtypes=dtypes, block_size=block_size, baselines=baselines,
-                        max_windows=max_windows, max_ppl_increase=max_ppl_increase / 100, min_top1=min_top1,
+        settings = dict(ks=ks, noises=noises, dtypes=dtypes, block_size=block_size, quantize_other=quantize_other,
+                        baselines=baselines, max_windows=max_windows, max_ppl_increase=max_ppl_increase / 100, min_top1=min_top1,
                         iters=iters, warmup=warmup, budget_s=budget_s, threads=threads)
         paths, failure = run_stages(console, work, torch_model, checkpoint, **settings)
     console.print(f"report: {out / paths['html'].name} (also {paths['markdown'].name}, {paths['json'].name})",
@@ -146,8 +151,8 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, b
         raise InfMoEError(failure)
 
 
-def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtypes, block_size, baselines,
-               max_windows, max_ppl_increase, min_top1, iters, warmup, budget_s, threads):
+def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtypes, block_size, quantize_other,
+               baselines, max_windows, max_ppl_increase, min_top1, iters, warmup, budget_s, threads):
     """Every stage into the folder work; returns the report's paths and the parity failure line."""
     models_dir = work / "models"
     models = []
@@ -158,10 +163,10 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtyp
 
     with Stages(console) as stages:
         def export(advance):
-            for dtype in dtypes:  # one folder per precision: models/fp32/model_k1_quantile.onnx
+            for dtype in dtypes:  # one folder per precision: models/fp32/model_k1_quantile_fp32.onnx
                 models.extend(export_many(torch_model, models_dir / dtype, ks, noises, with_starts=True,
                                           progress=lambda d: advance(f"{dtype} {d}"),
-                                          **export_options(dtype, block_size)))
+                                          **precision_options(dtype, block_size, quantize_other)))
             return "ok", f"{len(models)} models in {models_dir}"
 
         def validate(advance):
@@ -183,7 +188,8 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtyp
             folder = work / "engines"
             planned = {(m.k, dtype): m for dtype in dtypes
                        for m in export_many(torch_model, folder / "onnx" / dtype, ks, function=False, with_starts=True,
-                                            target="tensorrt", **export_options(dtype, block_size))}
+                                            target="tensorrt",
+                                            **precision_options(dtype, block_size, quantize_other))}
             advance("building engines")
             engines = build_engines(planned, folder, folder / "timing.cache", max(BATCHES), None, False)
             return "ok", f"engines in {engines}"

@@ -382,20 +382,25 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     return ExportedModel(path, decoder_io, metadata)
 
 
-def model_filename(k: int, noise: str) -> str:
-    return f"model_k{k}_{noise}.onnx"
+def model_filename(k: int, noise: str, dtype: str = "fp32", quantize_other: str = "none") -> str:
+    """model_k{K}_{noise}_{dtype}.onnx, with _other-{quantize_other} when other matrices are
+    quantized: precisions exported into one folder do not collide."""
+    other = "" if quantize_other == "none" else f"_other-{quantize_other}"
+    return f"model_k{k}_{noise}_{dtype}{other}.onnx"
 
 
 def export_many(model: InfMoEGPT, folder: Union[str, os.PathLike], ks: Sequence[int],
                 noises: Sequence[str] = ("quantile",), *, progress=None, **options) -> List[ExportedModel]:
-    """One model per (noise, K) into folder as model_k{K}_{noise}.onnx, in that order; options go
-    to export_onnx. progress(description) is called before each export. Every command that
-    exports more than one model (pipeline, bench, trt) comes through here."""
+    """One model per (noise, K) into folder as model_filename(K, noise, precision), in that
+    order; options go to export_onnx. progress(description) is called before each export. Every
+    command that exports more than one model (pipeline, bench, trt) comes through here."""
     folder = Path(folder)
+    precision = dict(dtype=options.get("dtype", "fp32"), quantize_other=options.get("quantize_other", "none"))
     exported = []
     for noise in noises:
         for k in ks:
             if progress:
                 progress(f"K={k} {noise}")
-            exported.append(export_onnx(model, folder / model_filename(k, noise), k=k, noise=noise, **options))
+            exported.append(export_onnx(model, folder / model_filename(k, noise, **precision), k=k, noise=noise,
+                                        **options))
     return exported
