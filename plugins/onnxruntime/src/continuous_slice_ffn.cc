@@ -30,6 +30,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #ifndef INFMOE_VARIANT
@@ -222,15 +223,18 @@ inline Lanes<Format::kWidth> Dequantized(const Format& w, typename Format::Row r
   return w.Values(row, u, n) * w.Scale(row, u >> w.block_shift);
 }
 
-// Sum of the lanes in a fixed order (halves, then quarters, ...).
+// Sum of the lanes in a fixed order (halves, then quarters, ...), in registers: through an array
+// it cost a store-forwarding stall per row.
 template <int W>
 inline float SumLanes(Lanes<W> v) {
-  float s[W];
-  std::memcpy(s, &v, sizeof s);
-  for (int width = W / 2; width >= 1; width /= 2) {
-    for (int l = 0; l < width; ++l) s[l] += s[l + width];
+  if constexpr (W == 2) {
+    return v[0] + v[1];
+  } else {
+    Lanes<W / 2> low, high;
+    std::memcpy(&low, &v, sizeof low);
+    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+    return SumLanes<W / 2>(low + high);
   }
-  return s[0];
 }
 
 // GPT-2's tanh GELU, in place, vectorised by Eigen.
@@ -277,12 +281,12 @@ std::vector<Range> Merged(std::vector<Range> windows, int64_t gap) {
 
 // Row i . x. One row at a time, front to back: reading four rows side by side (four streams
 // 3 KB apart) streamed 2-10x slower from memory here. Four accumulator chains, unit u into chain
-// u mod 4, hide the FMA latency; the block's scale multiplies x (folded away for float rows).
-template <class Format>
-inline float Dot(const Format& w, int64_t i, const Lanes<Format::kWidth>* x, int64_t full, int64_t tail) {
-  constexpr int W = Format::kWidth;
-  const typename Format::Row row = w.At(i);
-  auto term = [&](int64_t u, int64_t n) { return w.Values(row, u, n) * (x[u] * w.Scale(row, u >> w.block_shift)); };
+// u mod 4, hide the FMA latency (float rows: one block, scale 1).
+template <typename T>
+inline float Dot(const FloatRows<T>& w, int64_t i, const Lanes<kNarrow>* x, int64_t full, int64_t tail) {
+  constexpr int W = kNarrow;
+  const T* row = w.At(i);
+  auto term = [&](int64_t u, int64_t n) { return w.Values(row, u, n) * x[u]; };
   // Four named chains, not an array indexed by u: GCC keeps an indexed array in memory.
   Lanes<W> a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t u = 0;
@@ -291,6 +295,26 @@ inline float Dot(const Format& w, int64_t i, const Lanes<Format::kWidth>* x, int
   for (; u < full; ++u) acc[u & 3] += term(u, W);
   if (tail) acc[full & 3] += term(full, tail);
   return SumLanes<W>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
+// Quantized rows: q . x per block, then one FMA by the block's scale (instead of scaling x per
+// unit), blocks alternating between two chains. The arithmetic, not memory, bounds these loops.
+template <int Bits, typename T>
+inline float Dot(const QuantRows<Bits, T>& w, int64_t i, const Lanes<kWide>* x, int64_t full, int64_t tail) {
+  constexpr int W = kWide;
+  const typename QuantRows<Bits, T>::Row row = w.At(i);
+  const int64_t per_block = int64_t{1} << w.block_shift;
+  // Named chains, not an array indexed by b: GCC keeps an indexed array in memory.
+  Lanes<W> even = {}, odd = {};
+  int64_t b = 0;
+  for (int64_t u = 0; u < full; ++b) {
+    const int64_t end = std::min(u + per_block, full);
+    Lanes<W> p = w.Values(row, u, W) * x[u];
+    for (++u; u < end; ++u) p += w.Values(row, u, W) * x[u];
+    (b & 1 ? odd : even) += p * w.Scale(row, b);
+  }
+  if (tail) even += (w.Values(row, full, tail) * x[full]) * w.Scale(row, full >> w.block_shift);
+  return SumLanes<W>(even + odd);
 }
 
 // out += h * row i, h times the block's scale once per block.
@@ -306,14 +330,152 @@ inline void Axpy(const Format& w, int64_t i, float h, int64_t full, int64_t tail
   if (tail) out[full] += (h * w.Scale(row, full >> w.block_shift)) * w.Values(row, full, tail);
 }
 
+// What the decode loops read a format through: the format itself, except quantized rows on
+// AVX-512 (below). Its register layout of a row: slot s, lane l holds column Column(s, l) (>= d:
+// padding, where x is zero), x stored times XScale(s); natural: unit after unit, times 1.
+template <class Format>
+const Format& DecodeRows(const Format& w) {
+  return w;
+}
+template <class Format>
+struct DecodeLayout {
+  static int64_t Slots(int64_t d) { return (d + Format::kWidth - 1) / Format::kWidth; }
+  static int64_t Column(int64_t s, int l) { return s * Format::kWidth + l; }
+  static float XScale(int64_t) { return 1.0f; }
+};
+
+#if defined(__AVX512F__)
+// Quantized rows on AVX-512, without shuffles or conversions per weight. A row's 64-byte group g
+// is 16 dwords of kPerDword = 32 / Bits stored values; value k of every dword is one register:
+// masked into the mantissa of 2^23 (one vpternlogd) it is the float 2^23 + u 2^(Bits k'), and one
+// subtraction of 2^23 + 2^(Bits - 1 + Bits k') leaves q 2^(Bits k') exactly (k' = k mod half a
+// dword: the upper half is shifted down 16 bits once per group so that no field reaches bit 23).
+// The power of two is undone on the other factor: x is stored times 2^-(Bits k'), the output's
+// coefficient is scaled per k'. 3 instructions per 16 weights (ternlog, sub, FMA), spread over
+// the integer, add and FMA pipes; the int4 vpermps lookup (shift, vpermps, FMA) was 1.9x slower.
+// So slot kPerDword g + k, lane l holds column 16 kPerDword g + kPerDword l + k (the layout of x
+// and of the partial outputs); lane l of group g lies in block (16 kPerDword g + kPerDword l) /
+// block_size, and ScaleLanes gives each lane its scale.
+template <int Bits, typename T>
+struct PackedRows {
+  static constexpr int kWidth = 16;
+  static constexpr int kPerDword = 32 / Bits, kHalf = kPerDword / 2, kGroupColumns = 16 * kPerDword;
+  QuantRows<Bits, T> w;
+  __m512i scale_index;  // lane l -> its block, counted from the group's first
+  int64_t groups, full_groups, per_group;  // per_group: blocks per group (0: a block spans groups)
+  int block_log2;
+
+  explicit PackedRows(const QuantRows<Bits, T>& rows) : w(rows) {
+    groups = (w.d + kGroupColumns - 1) / kGroupColumns;
+    full_groups = w.packed / 64;
+    block_log2 = w.block_shift + 4;  // block_size = kWidth << block_shift
+    per_group = (int64_t{kGroupColumns} >> block_log2);
+    alignas(64) int32_t index[16];
+    for (int l = 0; l < 16; ++l) index[l] = per_group ? (kPerDword * l) >> block_log2 : 0;
+    scale_index = _mm512_load_si512(index);
+  }
+  // Group g's 64 packed bytes; past the row's end (its last group) nothing is read: zero bytes.
+  __m512i Bytes(const uint8_t* q, int64_t g) const {
+    if (g < full_groups) return _mm512_loadu_si512(q + 64 * g);
+    return _mm512_maskz_loadu_epi8((__mmask64{1} << (w.packed - 64 * g)) - 1, q + 64 * g);
+  }
+  __m512 ScaleLanes(const T* scale, int64_t g) const {
+    if (per_group == 0) return _mm512_set1_ps(ToFloat(scale[(int64_t{kGroupColumns} * g) >> block_log2]));
+    const int64_t first = g * per_group;
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min(per_group, w.blocks - first)) - 1);
+    __m512 scales;
+    if constexpr (sizeof(T) == 4) {
+      scales = _mm512_maskz_loadu_ps(valid, scale + first);
+    } else {
+      scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + first));
+    }
+    return _mm512_permutexvar_ps(scale_index, scales);
+  }
+  // q 2^(Bits k') of value k of every dword, from the group's bytes (low) and them >> 16 (high).
+  static __m512 Q(__m512i low, __m512i high, int k) {
+    const int shift = Bits * (k % kHalf);
+    const __m512i field = _mm512_set1_epi32(((1 << Bits) - 1) << shift);
+    const __m512i magic = _mm512_set1_epi32(0x4B000000);  // 2^23
+    const __m512 offset = _mm512_set1_ps(8388608.0f + static_cast<float>(1 << (Bits - 1 + shift)));
+    const __m512i bits = _mm512_ternarylogic_epi32(k < kHalf ? low : high, field, magic, 0xEA);  // (a & b) | c
+    return _mm512_sub_ps(_mm512_castsi512_ps(bits), offset);
+  }
+  // 2^-(Bits k'): what undoes Q's power of two.
+  static float Unscale(int64_t slot) { return 1.0f / static_cast<float>(1 << (Bits * (slot % kPerDword % kHalf))); }
+};
+
+template <int Bits, typename T>
+PackedRows<Bits, T> DecodeRows(const QuantRows<Bits, T>& w) {
+  return PackedRows<Bits, T>(w);
+}
+template <int Bits, typename T>
+struct DecodeLayout<PackedRows<Bits, T>> {
+  using Rows = PackedRows<Bits, T>;
+  static int64_t Slots(int64_t d) { return (d + Rows::kGroupColumns - 1) / Rows::kGroupColumns * Rows::kPerDword; }
+  static int64_t Column(int64_t s, int l) {
+    return s / Rows::kPerDword * Rows::kGroupColumns + Rows::kPerDword * l + s % Rows::kPerDword;
+  }
+  static float XScale(int64_t s) { return Rows::Unscale(s); }
+};
+
+template <int Bits, typename T>
+inline float Dot(const PackedRows<Bits, T>& n, int64_t i, const Lanes<16>* x, int64_t, int64_t) {
+  constexpr int K = PackedRows<Bits, T>::kPerDword;
+  const auto row = n.w.At(i);
+  const __m512* xs = reinterpret_cast<const __m512*>(x);
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n.groups; ++g) {
+    const __m512i low = n.Bytes(row.q, g), high = _mm512_srli_epi32(low, 16);
+    const __m512* xg = xs + K * g;
+    // Two chains: the group's FMAs do not all wait on each other's latency.
+    __m512 p = _mm512_mul_ps(n.Q(low, high, 0), xg[0]), q = _mm512_mul_ps(n.Q(low, high, 1), xg[1]);
+    for (int k = 2; k < K; k += 2) {
+      p = _mm512_fmadd_ps(n.Q(low, high, k), xg[k], p);
+      q = _mm512_fmadd_ps(n.Q(low, high, k + 1), xg[k + 1], q);
+    }
+    __m512& acc = g & 1 ? odd : even;
+    acc = _mm512_fmadd_ps(_mm512_add_ps(p, q), n.ScaleLanes(row.scale, g), acc);
+  }
+  return SumLanes<16>(reinterpret_cast<Lanes<16>>(_mm512_add_ps(even, odd)));
+}
+
+template <int Bits, typename T>
+inline void Axpy(const PackedRows<Bits, T>& n, int64_t i, float h, int64_t, int64_t, Lanes<16>* out) {
+  constexpr int K = PackedRows<Bits, T>::kPerDword;
+  const auto row = n.w.At(i);
+  __m512* o = reinterpret_cast<__m512*>(out);
+  for (int64_t g = 0; g < n.groups; ++g) {
+    const __m512i low = n.Bytes(row.q, g), high = _mm512_srli_epi32(low, 16);
+    const __m512 c = _mm512_mul_ps(_mm512_set1_ps(h), n.ScaleLanes(row.scale, g));
+    __m512 scaled[K / 2];
+    for (int k = 0; k < K / 2; ++k) scaled[k] = _mm512_mul_ps(c, _mm512_set1_ps(PackedRows<Bits, T>::Unscale(k)));
+    for (int k = 0; k < K; ++k) o[K * g + k] = _mm512_fmadd_ps(scaled[k % (K / 2)], n.Q(low, high, k), o[K * g + k]);
+  }
+}
+#endif
+
 template <typename T, class Format>
-void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
-            const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  constexpr int W = Format::kWidth;
-  const int64_t full = s.d / W, tail = s.d % W, units = full + (tail ? 1 : 0);
+void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& format_in, const T* b_in,
+            const Format& format_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  const auto& w_in = DecodeRows(format_in);
+  const auto& w_out = DecodeRows(format_out);
+  using Rows = std::decay_t<decltype(w_in)>;
+  using Layout = DecodeLayout<Rows>;
+  constexpr int W = Rows::kWidth;
+  const int64_t full = s.d / W, tail = s.d % W, units = Layout::Slots(s.d);
+  // Slot u of a vector of d values in the layout (zero at padding).
+  auto slot = [&](const T* v, int64_t u) {
+    if constexpr (std::is_same_v<Rows, Format>) return LoadLanes<W>(v, u, u < full ? W : tail);
+    Lanes<W> out;
+    for (int l = 0; l < W; ++l) {
+      const int64_t column = Layout::Column(u, l);
+      out[l] = column < s.d ? ToFloat(v[column]) : 0.0f;
+    }
+    return out;
+  };
   // Chunks of a fixed number of rows (from the format's row size, never from the thread count).
   const int64_t chunk_rows =
-      std::clamp<int64_t>(kChunkBytes / (w_in.RowBytes() + w_out.RowBytes()), 1, kMaxChunkRows);
+      std::clamp<int64_t>(kChunkBytes / (format_in.RowBytes() + format_out.RowBytes()), 1, kMaxChunkRows);
   struct Chunk {
     int64_t token, lo, hi;
   };
@@ -327,7 +489,7 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
       for (int64_t lo = run.lo; lo < run.hi; lo += chunk_rows) chunks.push_back({t, lo, std::min(lo + chunk_rows, run.hi)});
     }
     first_chunk[t + 1] = chunks.size();
-    for (int64_t u = 0; u < units; ++u) xs[t * units + u] = LoadLanes<W>(x + t * s.d, u, u < full ? W : tail);
+    for (int64_t u = 0; u < units; ++u) xs[t * units + u] = slot(x + t * s.d, u) * Layout::XScale(u);
   }
 
   // Every chunk writes its whole partial: no zeroing here (a memset of all of them per call).
@@ -349,10 +511,12 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_i
 
   for (int64_t t = 0; t < s.tokens; ++t) {
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t n = u < full ? W : tail;
-      Lanes<W> sum = LoadLanes<W>(b_out, u, n);
+      Lanes<W> sum = slot(b_out, u);
       for (size_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) sum += partials[c * units + u];
-      for (int64_t l = 0; l < n; ++l) FromFloat(sum[l], y + t * s.d + u * W + l);
+      for (int l = 0; l < W; ++l) {
+        const int64_t column = Layout::Column(u, l);
+        if (column < s.d) FromFloat(sum[l], y + t * s.d + column);
+      }
     }
   }
 }
