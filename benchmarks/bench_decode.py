@@ -16,11 +16,14 @@ runtimes/ort.py SharedCache, what `run` uses). Per K and thread count:
   decode over the roofline at the median bandwidth, and the best decode sample over the
   roofline at the best bandwidth sample (on a busy machine both sides' best are the closest to
   an idle one's);
-- the fixed cost of a step: the same graph (12 layers, 12 heads) with tiny weights;
+- the fixed cost of a step: the same graph (12 layers, 12 heads) with tiny weights, at past 128
+  (issue 16's figure) and at past 1 (the same without attention over a cache);
 - node counts of both targets, as exported and after onnxruntime's optimizations (the saved
   optimized model), with what remains.
 
 The machine is shared: every figure is a median over rounds that interleave what is compared.
+Last, each of issue 16's targets for the onnxruntime target, met or not (also in the JSON,
+`goals_met`, which is rewritten atomically after each configuration).
 """
 
 import argparse
@@ -51,6 +54,7 @@ from infmoe_export.runtimes.ort_kernel import custom_op_library, register  # noq
 TINY_WEIGHTS = InfMoEConfig(vocab_size=256, n_positions=1024, d_model=96, n_layer=12, n_head=12, ffn_hidden=96,
                             slice_width=24, num_samples=2)
 PASTS, SWEEP, SWEEP_K = (128, 512), (1, 128, 512, 1000), 2
+FIXED_PASTS = (1, 128)  # issue 16's fixed cost is the last
 TARGETS = ("portable", "onnxruntime")
 GOALS = {"over_roofline_past128_2threads": 1.10, "over_roofline_past512_2threads": 1.15,
          "over_roofline_1thread": 1.25, "fixed_cost_ms": 0.3}
@@ -139,31 +143,54 @@ def run_rounds(decoders, bandwidth, pasts, rounds, steps):
 
 
 def fixed_cost(scratch: Path, threads_list, rounds: int, steps: int) -> dict:
+    """The tiny-weights graph at past 128 (issue 16's fixed cost) and at past 1 (without the
+    attention over a cache): per thread count, past and target, the median, quartiles and best
+    of the samples, each the median of `steps` steps."""
     model = InfMoEGPT(TINY_WEIGHTS).eval()
     exported = {t: export_onnx(model, scratch / f"tiny_{t}.onnx", k=2, target=t) for t in TARGETS}
-    result = {"nodes": {t: node_counts(e.path) for t, e in exported.items()}}
+    result = {"nodes": {t: node_counts(e.path) for t, e in exported.items()}, "ms": []}
     for threads in threads_list:
         decoders = {t: Decoder(e, threads) for t, e in exported.items()}
         for decoder in decoders.values():
-            decoder.prepare(PASTS[0])
+            for past in FIXED_PASTS:
+                decoder.prepare(past)
         samples = collections.defaultdict(list)
         for _ in range(rounds):
             for target, decoder in decoders.items():
-                samples[target].append(decoder.sample(PASTS[0], steps))
-        result[f"{threads}_threads_ms"] = {t: median(v) for t, v in samples.items()}
-        result[f"{threads}_threads_best_ms"] = {t: min(v) for t, v in samples.items()}
+                for past in FIXED_PASTS:
+                    samples[(target, past)].append(decoder.sample(past, steps))
+        for (target, past), values in samples.items():
+            q1, q2, q3 = (float(q) for q in np.percentile(values, (25, 50, 75)))
+            result["ms"].append({"threads": threads, "past": past, "target": target, "median": q2, "q1": q1,
+                                 "q3": q3, "best": min(values)})
     return result
+
+
+def verdicts(result) -> list:
+    """Issue 16's targets against what was measured (medians; the best samples beside them)."""
+    lines = []
+    for row in result["fixed_cost"]["ms"]:
+        if row["target"] == "onnxruntime" and row["past"] == FIXED_PASTS[-1]:
+            lines.append((f"fixed cost, {row['threads']} thread(s)", row["median"], row["best"], GOALS["fixed_cost_ms"]))
+    for row in result["decode"]:
+        goal = (GOALS["over_roofline_1thread"] if row["threads"] == 1 else
+                GOALS.get(f"over_roofline_past{row['past']}_{row['threads']}threads"))
+        if goal is not None and row["past"] in PASTS:
+            lines.append((f"K={row['k']} threads={row['threads']} past={row['past']} over roofline",
+                          row["over_roofline"]["onnxruntime"], row["best_over_roofline"]["onnxruntime"], goal))
+    return [{"what": what, "median": value, "best": best, "goal": goal, "met": bool(value <= goal)}
+            for what, value, best, goal in lines]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", default="1,2,8", help="expert budgets, comma-separated")
+    parser.add_argument("--k", default="1,2,8", help="expert budgets, comma-separated ('' for the fixed cost only)")
     parser.add_argument("--threads", default="2,1", help="intra-op thread counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration")
     parser.add_argument("--steps", type=int, default=10, help="decode steps per sample")
     parser.add_argument("--json", default="runs/bench_decode.json", help="where to write the results")
     args = parser.parse_args()
-    ks = [int(k) for k in args.k.split(",")]
+    ks = [int(k) for k in args.k.split(",") if k]
     threads_list = [int(t) for t in args.threads.split(",")]
     if custom_op_library() is None:
         sys.exit("bench_decode: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
@@ -208,6 +235,12 @@ def main():
                 write()
             for e in exported.values():
                 e.path.unlink()
+    result["goals_met"] = verdicts(result)
+    write()
+    print("issue 16, onnxruntime target (median; best sample):")
+    for line in result["goals_met"]:
+        print(f"  {line['what']}: {line['median']:.3f} ({line['best']:.3f}) against {line['goal']}: "
+              f"{'met' if line['met'] else 'NOT met'}")
     print(f"results: {args.json}")
 
 
@@ -215,10 +248,9 @@ def print_fixed_cost(fixed):
     for target, counts in fixed["nodes"].items():
         print(f"{target}: {counts['exported']} nodes exported, {counts['optimized']} after optimization: "
               f"{counts['optimized_ops']}")
-    for key, value in fixed.items():
-        if key.endswith("_ms"):
-            print(f"tiny weights, {key.replace('_', ' ')[:-3]}: " +
-                  ", ".join(f"{t} {ms:.3f} ms" for t, ms in value.items()))
+    for row in fixed["ms"]:
+        print(f"tiny weights, {row['threads']} thread(s), past {row['past']}, {row['target']}: {row['median']:.3f} ms "
+              f"(quartiles {row['q1']:.3f}-{row['q3']:.3f}, best {row['best']:.3f})")
 
 
 def print_row(row):

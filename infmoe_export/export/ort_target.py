@@ -11,7 +11,8 @@ expert op, `window_starts` included) but writes each layer as
                                                  seqlens_k, total_sequence_length, attention_bias)
     ln_2, h  = com.microsoft SkipLayerNormalization(attn @ proj, x, ln_2, bias = proj.bias)
     router   = MatMul + Add (mu and sigma as one [D, 2] matrix, h.{i}.moe.router.weight) + Split,
-               Softplus, Mul, Add, then window_starts as everywhere (Sigmoid, Mul, Floor, Clip, Cast)
+               Softplus, Mul, Add, then window_starts without its Floor (Sigmoid, Mul, Clip, Cast:
+               `_drop_floor`)
     expert   = infmoe::ContinuousSliceFFN
     ln_1', x = SkipLayerNormalization(expert, h, next layer's ln_1 (ln_f after the last))
 
@@ -52,6 +53,14 @@ def _skip_layer_norm(x, skip, norm: nn.LayerNorm, bias=None):
         f"{MS_DOMAIN}::SkipLayerNormalization", inputs, dict(epsilon=float(norm.eps)),
         dtypes=(x.dtype,) * 4, shapes=(shape, [*shape[:-1], 1], [*shape[:-1], 1], shape), version=1)
     return out, total
+
+
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _op(op_type: str, inputs, shape, dtype, **attributes):
+    """One ONNX node, written as is (torch's own decomposition takes more nodes)."""
+    return torch.onnx.ops.symbolic(op_type, inputs, attributes, dtype=dtype, shape=shape)
 
 
 class _FusedRouter(nn.Module):
@@ -99,17 +108,25 @@ class OrtDecoder(nn.Module):
         if eps is None:  # [K], broadcast by the router
             eps = self.quantile_eps
 
-        # Positions count real tokens only (model.py); the last `sequence` columns of the mask.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, total - sequence:]
+        # The once-per-step inputs in as few nodes as onnxruntime runs them (each costs ~0.7 µs at
+        # decode, docs/export.md). Positions count real tokens only (model.py): the exclusive
+        # cumsum of the mask, which is cumsum - 1 clamped at 0 wherever a token is real or a left
+        # pad; the last `sequence` columns, sliced from the end.
+        counts = _op("CumSum", (mask, torch.tensor(1)), (batch, total), torch.int64, exclusive=1)
+        sequence_length = _op("Shape", (input_ids,), (1,), torch.int64, start=1)
+        positions = _op("Slice", (counts, -sequence_length, torch.tensor([_INT64_MAX]), torch.tensor([1])),
+                        (batch, sequence), torch.int64)
         # GroupQueryAttention's inputs: every row holds `total` positions in the cache (pads too,
-        # masked below), so seqlens_k = total - 1 for each row.
-        seqlens_k = torch.full((batch,), total - 1, dtype=torch.int32)
-        total_length = torch.full((), total, dtype=torch.int32)
-        minimum = torch.finfo(torch.float32).min
-        attention_bias = ((1 - mask).to(torch.float32) * minimum)[:, None, None, :].expand(batch, 1, sequence, total)
+        # masked below), so seqlens_k = total - 1 for each row: the last index of the maximum of
+        # the (non-decreasing) counts.
+        seqlens_k = _op("ArgMax", (counts,), (batch,), torch.int64, axis=1, keepdims=0,
+                        select_last_index=1).to(torch.int32)
+        total_length = _op("Shape", (mask,), (1,), torch.int64, start=1).to(torch.int32)
+        bias = torch.where(mask.to(torch.bool), 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+        rows = torch.cat([sequence_length, torch.tensor([1])])  # [sequence, 1]: broadcast to [batch, 1, sequence, total]
+        attention_bias = _op("Expand", (bias, rows), (batch, 1, sequence, total), torch.float32)
 
-        x = model.wte(input_ids) + model.wpe(positions)
-        a = F.layer_norm(x, (c.d_model,), model.h[0].ln_1.weight, model.h[0].ln_1.bias, c.layer_norm_eps)
+        a, x = _skip_layer_norm(model.wte(input_ids), model.wpe(positions), model.h[0].ln_1)
         presents, all_starts = [], []
         past_names = io.past_names
         for i, block in enumerate(model.h):
@@ -137,12 +154,38 @@ class OrtDecoder(nn.Module):
         return tuple(outputs)
 
 
+def _drop_floor(graph: ir.Graph):
+    """window_starts' Floor(sigmoid(z) * (H - r + 1)), clamped at H - r and cast to int64, without
+    the Floor: its argument is >= 0, where Cast's truncation is floor, and a clamp at an integer
+    commutes with it, so Clip then Cast gives the same starts bit for bit, one node fewer a layer."""
+    for floor in list(graph):
+        if floor.op_type != "Floor" or floor.domain:
+            continue
+        scaled = floor.inputs[0]
+        mul = scaled.producer()
+        if mul is None or mul.op_type != "Mul" or not any(
+                v.producer() is not None and v.producer().op_type == "Sigmoid" for v in mul.inputs):
+            continue
+        uses = list(floor.outputs[0].uses())
+        if len(uses) != 1 or uses[0][0].op_type != "Clip" or uses[0][1] != 0:
+            continue
+        clip = uses[0][0]
+        if len(clip.inputs) > 1 and clip.inputs[1] is not None:  # a lower bound: not window_starts'
+            continue
+        if not all(node.op_type == "Cast" and node.attributes["to"].as_int() == ir.DataType.INT64
+                   for node, _ in clip.outputs[0].uses()):
+            continue
+        clip.replace_input_with(0, scaled)
+        graph.remove(floor, safe=True)
+
+
 def finish_ort_graph(graph: ir.Graph):
     """Name GroupQueryAttention's two length inputs as the contract does (one value each, shared
     by every layer), and the nodes written here after their module, as the exporter names the
     others: '/h.0.attn/GroupQueryAttention' (the layers in order), '/h.0.ln_2/
     SkipLayerNormalization', '/h.0.attn.proj/MatMul' (from their first weight), the router's Split
-    after the node before it."""
+    after the node before it. Drops window_starts' Floor first (`_drop_floor`)."""
+    _drop_floor(graph)
     used = {node.name for node in graph}
     layer = 0
 
