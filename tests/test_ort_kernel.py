@@ -1,7 +1,10 @@
 """The compiled onnxruntime kernel (plugins/onnxruntime) against the PyTorch reference op."""
 
 import importlib.metadata
+import os
 import pathlib
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -227,3 +230,15 @@ def test_a_non_string_activation_is_refused_not_read_as_the_default(value):
     assert ort_kernel.register(options)
     with pytest.raises(Exception, match="activation' must be a string"):
         ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("variant", ["avx2", "baseline"])
+def test_narrower_cpu_variants(library, variant):
+    """The reference and determinism tests again with the x86-64-v3 and portable variants."""
+    if os.environ.get("INFMOE_CPU_VARIANT"):
+        pytest.skip("already running one variant")
+    env = dict(os.environ, INFMOE_CPU_VARIANT=variant)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                           "-k", "matches_reference or deterministic"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{variant}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+

@@ -6,6 +6,8 @@ INFMOE_TEST_SEED=<n> replays a run); weights are normal, scaled like a trained l
 """
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -81,6 +83,12 @@ CASES = [
     ((3, 29), 25, 67, 67, 3, "edges", 16),      # r = H with many tokens
     ((97,), 43, 157, 19, 1, "edges", 128),
     ((2, 150), 97, 613, 200, 3, "disjoint", 32),  # several prefill groups and hidden blocks
+    # Decode on AVX-512 reads rows in groups of 64 bytes (128 int4 / 64 int8 columns): a partial
+    # last group, groups with several blocks, and blocks spanning several groups (B 128, 256).
+    ((1,), 601, 131, 7, 1, "edges", 16),
+    ((2,), 300, 211, 50, 2, "overlapping", 128),
+    ((3,), 601, 97, 13, 3, "edges", 256),
+    ((1,), 64, 59, 59, 1, "random", 64),          # exactly one int8 group, r = H
 ]
 
 
@@ -186,3 +194,16 @@ def test_float16_x_refuses_float32_scales(library):
     model = q_model(9, (4, 16), np.float16, types={"w_out_scale": TensorProto.FLOAT})
     with pytest.raises(Exception, match="w_out_scale must have X's element type float16, got float32"):
         session(model).run(None, feeds)
+
+
+@pytest.mark.parametrize("variant", ["avx2", "baseline"])
+def test_narrower_cpu_variants(library, variant):
+    """The reference and determinism tests again with the x86-64-v3 and portable variants (the
+    widest one the CPU supports runs everywhere else); the variant is chosen once per process."""
+    if os.environ.get("INFMOE_CPU_VARIANT"):
+        pytest.skip("already running one variant")
+    env = dict(os.environ, INFMOE_CPU_VARIANT=variant, INFMOE_TEST_SEED=str(SEED))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                           "-k", "matches_level_1 or bitwise or nibble"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{variant}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+

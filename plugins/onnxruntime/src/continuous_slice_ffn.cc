@@ -82,6 +82,8 @@ using NativeBytes = SignedBytes;
 constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode path
 constexpr int64_t kChunkBytes = 256 << 10;  // decode: weight bytes (w_in + w_out) per work item
 constexpr int64_t kMaxChunkRows = 1024;
+constexpr int64_t kPrefetchBytes = 4096;  // decode, quantized rows: how far ahead to prefetch
+constexpr int kAxpyRows = 2;              // decode: w_out rows per pass over the partial output (4: no faster)
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
@@ -165,6 +167,7 @@ struct FloatRows {
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const { return LoadLanes<kWidth>(row, u, n); }
   float Scale(Row, int64_t) const { return 1.0f; }
   int64_t RowBytes() const { return d * static_cast<int64_t>(sizeof(T)); }
+  void Prefetch(int64_t) const {}  // memory bound, streamed by the hardware prefetcher
 };
 
 // A quantized [h, d] matrix (SPEC §6): unsigned storage with offset 2^(bits-1), int4 two columns
@@ -189,6 +192,13 @@ struct QuantRows {
   Row At(int64_t i) const { return {q + i * packed, scale + i * blocks}; }
   float Scale(Row row, int64_t b) const { return ToFloat(row.scale[b]); }
   int64_t RowBytes() const { return packed + blocks * static_cast<int64_t>(sizeof(T)); }
+  // Asks for row i's bytes and scales ahead of use (a hint: prefetches never fault or read).
+  void Prefetch(int64_t i) const {
+    const Row row = At(i);
+    for (int64_t b = 0; b < packed; b += 64) __builtin_prefetch(row.q + b);
+    const char* scales = reinterpret_cast<const char*>(row.scale);
+    for (int64_t b = 0; b < blocks * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(scales + b);
+  }
 
   // The signed q of the unit, exact as floats.
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const {
@@ -330,6 +340,13 @@ inline void Axpy(const Format& w, int64_t i, float h, int64_t full, int64_t tail
   if (tail) out[full] += (h * w.Scale(row, full >> w.block_shift)) * w.Values(row, full, tail);
 }
 
+// out += h[r] * row i + r for r = 0 .. Rows - 1, in that order (the same sums as Axpy row by row).
+template <int Rows, class Format>
+inline void AxpyRows(const Format& w, int64_t i, const float* h, int64_t full, int64_t tail,
+                     Lanes<Format::kWidth>* out) {
+  for (int r = 0; r < Rows; ++r) Axpy(w, i + r, h[r], full, tail, out);
+}
+
 // What the decode loops read a format through: the format itself, except quantized rows on
 // AVX-512 (below). Its register layout of a row: slot s, lane l holds column Column(s, l) (>= d:
 // padding, where x is zero), x stored times XScale(s); natural: unit after unit, times 1.
@@ -439,17 +456,27 @@ inline float Dot(const PackedRows<Bits, T>& n, int64_t i, const Lanes<16>* x, in
   return SumLanes<16>(reinterpret_cast<Lanes<16>>(_mm512_add_ps(even, odd)));
 }
 
-template <int Bits, typename T>
-inline void Axpy(const PackedRows<Bits, T>& n, int64_t i, float h, int64_t, int64_t, Lanes<16>* out) {
+// Several rows per pass, one after the other per register: fewer loads and stores of out (its
+// stores bound the one-row loop), the same sums as one row at a time.
+template <int Rows, int Bits, typename T>
+inline void AxpyRows(const PackedRows<Bits, T>& n, int64_t i, const float* h, int64_t, int64_t, Lanes<16>* out) {
   constexpr int K = PackedRows<Bits, T>::kPerDword;
-  const auto row = n.w.At(i);
+  typename QuantRows<Bits, T>::Row row[Rows];
+  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r);
   __m512* o = reinterpret_cast<__m512*>(out);
   for (int64_t g = 0; g < n.groups; ++g) {
-    const __m512i low = n.Bytes(row.q, g), high = _mm512_srli_epi32(low, 16);
-    const __m512 c = _mm512_mul_ps(_mm512_set1_ps(h), n.ScaleLanes(row.scale, g));
-    __m512 scaled[K / 2];
-    for (int k = 0; k < K / 2; ++k) scaled[k] = _mm512_mul_ps(c, _mm512_set1_ps(PackedRows<Bits, T>::Unscale(k)));
-    for (int k = 0; k < K; ++k) o[K * g + k] = _mm512_fmadd_ps(scaled[k % (K / 2)], n.Q(low, high, k), o[K * g + k]);
+    __m512i low[Rows], high[Rows];
+    __m512 scaled[Rows][K / 2];
+    for (int r = 0; r < Rows; ++r) {
+      low[r] = n.Bytes(row[r].q, g), high[r] = _mm512_srli_epi32(low[r], 16);
+      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(h[r]), n.ScaleLanes(row[r].scale, g));
+      for (int k = 0; k < K / 2; ++k) scaled[r][k] = _mm512_mul_ps(c, _mm512_set1_ps(PackedRows<Bits, T>::Unscale(k)));
+    }
+    for (int k = 0; k < K; ++k) {
+      __m512 sum = o[K * g + k];
+      for (int r = 0; r < Rows; ++r) sum = _mm512_fmadd_ps(scaled[r][k % (K / 2)], n.Q(low[r], high[r], k), sum);
+      o[K * g + k] = sum;
+    }
   }
 }
 #endif
@@ -500,13 +527,36 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
     Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo;
-    for (int64_t i = 0; i < rows; ++i) hidden[i] = Dot(w_in, c.lo + i, xt, full, tail) + ToFloat(b_in[c.lo + i]);
+    // Quantized rows are read slower than memory delivers them, so the hardware prefetcher alone
+    // keeps too few lines in flight: ask for the row kPrefetchBytes ahead, over w_in's rows then
+    // w_out's.
+    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / format_in.RowBytes());
+    auto prefetch = [&](int64_t step) {
+      if (step < rows) {
+        format_in.Prefetch(c.lo + step);
+      } else if (step < 2 * rows) {
+        format_out.Prefetch(c.lo + step - rows);
+      }
+    };
+    for (int64_t i = 0; i < ahead; ++i) prefetch(i);
+    for (int64_t i = 0; i < rows; ++i) {
+      prefetch(i + ahead);
+      hidden[i] = Dot(w_in, c.lo + i, xt, full, tail) + ToFloat(b_in[c.lo + i]);
+    }
     Eigen::Map<Eigen::ArrayXf> h(hidden, rows);
     GeluTanh(h);
     Coverage(starts + c.token * s.k, s.k, s.r, c.lo, c.hi, coverage);
     h *= Eigen::Map<const Eigen::ArrayXf>(coverage, rows);
     std::fill(out, out + units, Lanes<W>{});
-    for (int64_t i = 0; i < rows; ++i) Axpy(w_out, c.lo + i, hidden[i], full, tail, out);
+    int64_t i = 0;
+    for (; i + kAxpyRows <= rows; i += kAxpyRows) {
+      for (int r = 0; r < kAxpyRows; ++r) prefetch(rows + i + r + ahead);
+      AxpyRows<kAxpyRows>(w_out, c.lo + i, hidden + i, full, tail, out);
+    }
+    for (; i < rows; ++i) {
+      prefetch(rows + i + ahead);
+      AxpyRows<1>(w_out, c.lo + i, hidden + i, full, tail, out);
+    }
   });
 
   for (int64_t t = 0; t < s.tokens; ++t) {
