@@ -190,6 +190,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="decode steps per sample")
     parser.add_argument("--json", default="runs/bench_decode.json", help="where to write the results")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each row as it is measured, into a pipe or file too
     ks = [int(k) for k in args.k.split(",") if k]
     threads_list = [int(t) for t in args.threads.split(",")]
     if custom_op_library() is None:

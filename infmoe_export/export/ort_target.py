@@ -108,8 +108,8 @@ class OrtDecoder(nn.Module):
         if eps is None:  # [K], broadcast by the router
             eps = self.quantile_eps
 
-        # The once-per-step inputs in as few nodes as onnxruntime runs them (each costs ~0.7 µs at
-        # decode, docs/export.md). Positions count real tokens only (model.py): the exclusive
+        # The once-per-step inputs in as few nodes as we can (every node adds onnxruntime's
+        # per-node overhead to a decode step). Positions count real tokens only (model.py): the exclusive
         # cumsum of the mask, which is cumsum - 1 clamped at 0 wherever a token is real or a left
         # pad; the last `sequence` columns, sliced from the end.
         counts = _op("CumSum", (mask, torch.tensor(1)), (batch, total), torch.int64, exclusive=1)
