@@ -99,6 +99,24 @@ def median_ratio(a, b):
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def print_targets(results):
+    """Each target (issue 10: int4 op >= 5x the fp32 op at decode, int8 >= 2.5x; issue 16: fp32 op
+    GB/s >= 0.95x onnxruntime's MatMul, fixed cost per node < 5 us) beside the range measured."""
+    print("\ntargets (decode ratios: the range over K; met when the worst K meets it)")
+    for threads in sorted({row["threads"] for row in results["decode"]}):
+        rows = [row for row in results["decode"] if row["threads"] == threads]
+        for name, values, target in (
+                ("int4 speed / fp32", [row["speed_vs_fp32"]["int4"] for row in rows], 5.0),
+                ("int8 speed / fp32", [row["speed_vs_fp32"]["int8"] for row in rows], 2.5),
+                ("fp32 GB/s / MatMul GB/s", [row["vs_matmul"]["fp32"] for row in rows], 0.95)):
+            verdict = "met" if min(values) >= target else "NOT met"
+            print(f"  {threads} thread(s) {name:<24} {min(values):5.2f} .. {max(values):5.2f}  target >= {target:4.2f}  {verdict}")
+        fixed = [f["per_node_us"] for f in results.get("fixed", []) if f["threads"] == threads]
+        if fixed:
+            verdict = "met" if fixed[0] < 5.0 else "NOT met"
+            print(f"  {threads} thread(s) {'fixed cost per node us':<24} {fixed[0]:5.2f}          target <  5.00  {verdict}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200, help="decode calls per runner")
@@ -185,6 +203,7 @@ def main():
             ms, r32 = row["ms"], row["time_vs_fp32"]
             print(f"{k:>2} | {ms['fp32']:>8.1f} {ms['int8']:>8.1f} {ms['int4']:>8.1f} | {r32['int8']:>9.2f} {r32['int4']:>9.2f}")
 
+    print_targets(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(args.json, json.dumps(results, indent=2) + "\n")

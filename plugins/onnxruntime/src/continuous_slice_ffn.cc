@@ -82,7 +82,6 @@ using NativeBytes = SignedBytes;
 constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode path
 constexpr int64_t kChunkBytes = 256 << 10;  // decode: weight bytes (w_in + w_out) per work item
 constexpr int64_t kMaxChunkRows = 1024;
-constexpr int64_t kPrefetchBytes = 4096;  // decode, quantized rows: how far ahead to prefetch
 constexpr int kAxpyRows = 2;              // decode: w_out rows per pass over the partial output (4: no faster)
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
@@ -167,7 +166,6 @@ struct FloatRows {
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const { return LoadLanes<kWidth>(row, u, n); }
   float Scale(Row, int64_t) const { return 1.0f; }
   int64_t RowBytes() const { return d * static_cast<int64_t>(sizeof(T)); }
-  void Prefetch(int64_t) const {}  // memory bound, streamed by the hardware prefetcher
 };
 
 // A quantized [h, d] matrix (SPEC §6): unsigned storage with offset 2^(bits-1), int4 two columns
@@ -192,13 +190,6 @@ struct QuantRows {
   Row At(int64_t i) const { return {q + i * packed, scale + i * blocks}; }
   float Scale(Row row, int64_t b) const { return ToFloat(row.scale[b]); }
   int64_t RowBytes() const { return packed + blocks * static_cast<int64_t>(sizeof(T)); }
-  // Asks for row i's bytes and scales ahead of use (a hint: prefetches never fault or read).
-  void Prefetch(int64_t i) const {
-    const Row row = At(i);
-    for (int64_t b = 0; b < packed; b += 64) __builtin_prefetch(row.q + b);
-    const char* scales = reinterpret_cast<const char*>(row.scale);
-    for (int64_t b = 0; b < blocks * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(scales + b);
-  }
 
   // The signed q of the unit, exact as floats.
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const {
@@ -527,22 +518,7 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
     Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo;
-    // Quantized rows are read slower than memory delivers them, so the hardware prefetcher alone
-    // keeps too few lines in flight: ask for the row kPrefetchBytes ahead, over w_in's rows then
-    // w_out's.
-    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / format_in.RowBytes());
-    auto prefetch = [&](int64_t step) {
-      if (step < rows) {
-        format_in.Prefetch(c.lo + step);
-      } else if (step < 2 * rows) {
-        format_out.Prefetch(c.lo + step - rows);
-      }
-    };
-    for (int64_t i = 0; i < ahead; ++i) prefetch(i);
-    for (int64_t i = 0; i < rows; ++i) {
-      prefetch(i + ahead);
-      hidden[i] = Dot(w_in, c.lo + i, xt, full, tail) + ToFloat(b_in[c.lo + i]);
-    }
+    for (int64_t i = 0; i < rows; ++i) hidden[i] = Dot(w_in, c.lo + i, xt, full, tail) + ToFloat(b_in[c.lo + i]);
     Eigen::Map<Eigen::ArrayXf> h(hidden, rows);
     GeluTanh(h);
     Coverage(starts + c.token * s.k, s.k, s.r, c.lo, c.hi, coverage);
@@ -550,13 +526,9 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
     std::fill(out, out + units, Lanes<W>{});
     int64_t i = 0;
     for (; i + kAxpyRows <= rows; i += kAxpyRows) {
-      for (int r = 0; r < kAxpyRows; ++r) prefetch(rows + i + r + ahead);
       AxpyRows<kAxpyRows>(w_out, c.lo + i, hidden + i, full, tail, out);
     }
-    for (; i < rows; ++i) {
-      prefetch(rows + i + ahead);
-      AxpyRows<1>(w_out, c.lo + i, hidden + i, full, tail, out);
-    }
+    for (; i < rows; ++i) AxpyRows<1>(w_out, c.lo + i, hidden + i, full, tail, out);
   });
 
   for (int64_t t = 0; t < s.tokens; ++t) {
