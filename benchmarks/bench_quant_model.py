@@ -1,0 +1,275 @@
+"""Issue 10's whole-model benchmark: is a quantized ∞-MoE faster by the bytes it saves?
+
+    .venv/bin/python benchmarks/bench_quant_model.py [--k 1,2,8] [--memory] [--json runs/bench_quant_model.json]
+
+GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the compiled kernel,
+`--target onnxruntime` exports (block 32), batch 1, at fp32, int8 and int4 experts and all-int4
+(`--quantize-other int4`). Per K, measured side by side in one run:
+
+- decode ms/token at past 128 (bench_decode.Decoder: each timed step a token at exactly that
+  past), interleaved round by round across the precisions and the peer, one sample of onnxruntime's
+  own MatMul read bandwidth (bench_decode.MatMulBandwidth, 256 MiB) before each decode sample;
+- each precision's roofline: the bytes that precision must read (decode_bytes below) over the
+  median bandwidth; ratios decode / roofline, and fp32 / precision;
+- the peer: a dense GPT-2-Medium-size model (bench_ort.MEDIUM_DENSE) exported at fp32 with the
+  onnxruntime target, the LM head's Transpose of the tied wte made a constant, then every MatMul
+  with a constant weight (attention, FFN, the LM head) quantized by onnxruntime's own MatMulNBitsQuantizer (int4, symmetric, block 32, float
+  activations). Not our dense int4 path: its FFN w_out is QDQ blocked along the output
+  dimension, which onnxruntime does not fuse into MatMulNBits (a DequantizeLinear per step);
+- prefill tokens/s at 512 tokens, interleaved the same way;
+- with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
+  decodes (report.memory), per precision, for both export targets.
+
+The machine may be shared: every figure is a median over interleaved rounds.
+"""
+
+import argparse
+import collections
+import json
+import logging
+import math
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort and bench_decode beside this file
+from bench_decode import Decoder, MatMulBandwidth  # noqa: E402
+from bench_ort import MEDIUM_DENSE, SMALL  # noqa: E402
+from infmoe_export.contract import ExportedModel  # noqa: E402
+from infmoe_export.export import export_onnx  # noqa: E402
+from infmoe_export.files import atomic_write  # noqa: E402
+from infmoe_export.model import InfMoEGPT, coverage  # noqa: E402
+from infmoe_export.quant import BITS  # noqa: E402
+from infmoe_export.report.bench import text_tokens  # noqa: E402
+from infmoe_export.report.memory import files_of, measure_child  # noqa: E402
+from infmoe_export.report.timing import environment, time_calls  # noqa: E402
+from infmoe_export.runtimes.ort import SharedCache  # noqa: E402
+from infmoe_export.runtimes.ort_kernel import custom_op_library  # noqa: E402
+
+PAST, PREFILL, BLOCK = 128, 512, 32
+PRECISIONS = {"fp32": {}, "int8": {"dtype": "int8"}, "int4": {"dtype": "int4"},
+              "all-int4": {"dtype": "int4", "quantize_other": "int4"}}
+GOALS = {"int8_speedup": 2.5, "int4_speedup": 4.0, "over_roofline": 1.3, "vs_dense_medium_int4": 2.5,
+         "prefill_vs_fp32": 1.0, "file_ratio_all_int4": 0.2, "peak_rss_ratio_all_int4": 0.35}
+AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}
+
+
+def stored_bytes(numel: int, rows: int, bits: int) -> int:
+    """Bytes of numel weights in `rows` rows at `bits` (SPEC §6: float32 scales per block of BLOCK)."""
+    if bits == 32:
+        return 4 * numel
+    return numel * bits // 8 + rows * math.ceil(numel // rows / BLOCK) * 4
+
+
+def decode_bytes(model: InfMoEGPT, k: int, dtype: str = "fp32", quantize_other: str = "none") -> int:
+    """Bytes a batch-1 decode step at PAST must read at this precision: every weight except the
+    unused rows of w_in / w_out and all but two embedding rows, the tied LM head (all of wte), the
+    KV cache; quantized matrices at their bits plus their scales. The union of the windows is the
+    one the reference picks for the timed token (the benchmark's text)."""
+    c = model.config
+    expert_bits, other_bits = BITS.get(dtype, 32), BITS.get(quantize_other, 32)
+    ids = torch.from_numpy(text_tokens(PAST + 1)).view(1, -1)
+    with torch.no_grad():
+        starts = model(ids, k=k, return_starts=True).starts
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith(("moe.w_in", "moe.w_out")):
+            continue
+        if name == "wte.weight":
+            total += 2 * stored_bytes(c.d_model, 1, other_bits) + stored_bytes(p.numel(), c.vocab_size, other_bits)
+        elif name == "wpe.weight":
+            total += 2 * 4 * c.d_model
+        elif name.endswith(("attn.qkv.weight", "attn.proj.weight")):
+            total += stored_bytes(p.numel(), p.shape[0], other_bits)
+        else:
+            total += 4 * p.numel()
+    for s in starts:
+        union = int((coverage(s[0, -1], c.ffn_hidden, c.slice_width) > 0).sum())
+        total += 2 * stored_bytes(union * c.d_model, union, expert_bits)
+    return total + 4 * c.n_layer * 2 * PAST * c.d_model
+
+
+def dense_peer(scratch: Path) -> ExportedModel:
+    """The dense Medium-size model with onnxruntime's own int4 MatMulNBits."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger().setLevel(logging.WARNING)  # the quantizer's module sets INFO on import
+    fp32 = export_onnx(InfMoEGPT(MEDIUM_DENSE).eval(), scratch / "medium_fp32.onnx", k=1, target="onnxruntime")
+    model = onnx.load(str(fp32.path))
+    fp32.path.unlink()
+    # The quantizer takes MatMuls whose weight is an initializer; the LM head reads Transpose(wte).
+    weights = {t.name: t for t in model.graph.initializer}
+    head = next(n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in weights)
+    transposed = numpy_helper.to_array(weights[head.input[0]]).T.copy()
+    model.graph.initializer.append(numpy_helper.from_array(transposed, head.output[0]))
+    model.graph.node.remove(head)
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=BLOCK, is_symmetric=True)
+    quantizer.process()
+    path = scratch / "medium_int4.onnx"
+    quantizer.model.save_model_to_file(str(path))
+    fused = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
+    print(f"dense Medium peer: {fused} MatMulNBits, file {path.stat().st_size / 2**20:.0f} MiB", flush=True)
+    return ExportedModel.read(path)
+
+
+def prefill_step(decoder: Decoder, tokens: np.ndarray):
+    """One prefill of tokens on a fresh position 0 of a cache shared in place."""
+    cache = SharedCache(decoder.session, decoder.io)
+
+    def step():
+        cache.length = 0
+        cache.step(tokens)
+    return step
+
+
+def interleaved_rounds(steps: dict, bandwidth: MatMulBandwidth, rounds: int, calls: int):
+    """Per round, per entry: one bandwidth sample, then the median ms of `calls` calls."""
+    samples, gbs = collections.defaultdict(list), []
+    for _ in range(rounds):
+        for name, step in steps.items():
+            gbs.append(bandwidth.sample())
+            samples[name].append(median(time_calls(step, 1, calls)) * 1e3)
+    return {name: median(values) for name, values in samples.items()}, gbs
+
+
+def memory_rows(model: InfMoEGPT, scratch: Path, k: int, threads: int, exported: dict) -> list:
+    """File bytes and peak RSS per precision and target, each in a fresh process; the onnxruntime
+    target's models are the decode ones, the portable ones are exported here."""
+    rows = []
+    for target in ("onnxruntime", "portable"):
+        for precision, options in PRECISIONS.items():
+            if target == "onnxruntime":
+                path = exported[precision]
+            else:
+                path = export_onnx(model, scratch / f"portable_{precision}.onnx", k=k, block_size=BLOCK,
+                                   **options).path
+            measured = measure_child("ort", ExportedModel.read(path), None, PAST, threads, None)
+            if "error" in measured:
+                sys.exit(f"bench_quant_model: memory of {precision} ({target}): {measured['error']}")
+            rows.append({"target": target, "precision": precision,
+                         "file_bytes": sum(f.stat().st_size for f in files_of(path)), **measured})
+            print(f"memory {target} {precision}: file {rows[-1]['file_bytes'] / 2**20:.0f} MiB, peak RSS "
+                  f"{measured['peak_rss_bytes'] / 2**20:.0f} MiB (before load "
+                  f"{measured['rss_before_load_bytes'] / 2**20:.0f})", flush=True)
+            if target == "portable":
+                path.unlink()
+    for row in rows:
+        fp32 = next(r for r in rows if r["target"] == row["target"] and r["precision"] == "fp32")
+        row["file_ratio"] = row["file_bytes"] / fp32["file_bytes"]
+        row["peak_rss_ratio"] = row["peak_rss_bytes"] / fp32["peak_rss_bytes"]
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", default="1,2,8", help="expert budgets, comma-separated")
+    parser.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved decode rounds per K")
+    parser.add_argument("--steps", type=int, default=5, help="decode steps per sample (their median)")
+    parser.add_argument("--prefill-rounds", type=int, default=2, help="interleaved prefill rounds per K")
+    parser.add_argument("--memory", action="store_true",
+                        help="also file size and peak RSS per precision and target, at the first K")
+    parser.add_argument("--json", default="runs/bench_quant_model.json", help="where to write the results")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.k.split(",")]
+    if custom_op_library() is None:
+        sys.exit("bench_quant_model: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+    torch.manual_seed(0)
+    bandwidth = MatMulBandwidth(args.threads)
+    tokens = text_tokens(PREFILL)[None]
+    result = {"environment": environment(args.threads), "goals": GOALS,
+              "config": {"small": SMALL.to_dict(), "medium_dense": MEDIUM_DENSE.to_dict(), "past": PAST,
+                         "prefill": PREFILL, "block_size": BLOCK, "threads": args.threads, "rounds": args.rounds,
+                         "steps": args.steps, "prefill_rounds": args.prefill_rounds},
+              "results": [], "memory": None}
+    with tempfile.TemporaryDirectory(prefix="bench-quant-") as scratch:
+        scratch = Path(scratch)
+        peer = Decoder(dense_peer(scratch), args.threads)
+        peer.prepare(PAST)
+        small = InfMoEGPT(SMALL).eval()
+        for k in ks:
+            paths = {p: export_onnx(small, scratch / f"small_{p}.onnx", k=k, block_size=BLOCK, target="onnxruntime",
+                                    **options).path for p, options in PRECISIONS.items()}
+            decoders = {p: Decoder(ExportedModel.read(path), args.threads) for p, path in paths.items()}
+            for decoder in decoders.values():
+                decoder.prepare(PAST)
+            decode, gbs = interleaved_rounds({**{p: d.steps[PAST] for p, d in decoders.items()},
+                                              "dense-medium-int4": peer.steps[PAST]}, bandwidth, args.rounds,
+                                             args.steps)
+            prefill, _ = interleaved_rounds({p: prefill_step(d, tokens) for p, d in decoders.items()}, bandwidth,
+                                            args.prefill_rounds, 1)
+            del decoders
+            row = summarise(small, k, decode, prefill, median(gbs))
+            result["results"].append(row)
+            print_row(row)
+            if args.memory and k == ks[0]:
+                result["memory"] = memory_rows(small, scratch, k, args.threads, paths)
+            for path in paths.values():
+                path.unlink()
+            write(args.json, result)  # after every K, so a long run keeps what it measured
+    print_summary(result)
+    print(f"results: {args.json}")
+
+
+def summarise(model, k, decode, prefill, read_gbs):
+    """One K's figures and ratios."""
+    rooflines = {p: decode_bytes(model, k, **options) / (read_gbs * 1e9) * 1e3 for p, options in PRECISIONS.items()}
+    fp32 = decode["fp32"]
+    return {"k": k, "read_gbs": read_gbs, "decode_ms": decode, "roofline_ms": rooflines,
+            "prefill_tokens_per_s": {p: PREFILL / (ms / 1e3) for p, ms in prefill.items()},
+            "ratios": {"int8_speedup": fp32 / decode["int8"], "int4_speedup": fp32 / decode["int4"],
+                       "all_int4_speedup": fp32 / decode["all-int4"],
+                       "roofline_speedup": {p: rooflines["fp32"] / r for p, r in rooflines.items()},
+                       "over_roofline": {p: decode[p] / rooflines[p] for p in PRECISIONS},
+                       "vs_dense_medium_int4": {p: decode["dense-medium-int4"] / decode[p]
+                                                for p in ("int4", "all-int4")},
+                       "prefill_vs_fp32": {p: prefill["fp32"] / prefill[p] for p in PRECISIONS if p != "fp32"}}}
+
+
+def write(path, result):
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, json.dumps(result, indent=2) + "\n")
+
+
+def verdict(goal: str, value: float) -> str:
+    met = value <= GOALS[goal] if goal in AT_MOST else value >= GOALS[goal]
+    return f"{value:.2f} ({'met' if met else 'MISSED'}: {'≤' if goal in AT_MOST else '≥'} {GOALS[goal]})"
+
+
+def print_row(row):
+    d, r = row["decode_ms"], row["roofline_ms"]
+    print(f"K={row['k']} (read {row['read_gbs']:.1f} GB/s): decode ms/token " +
+          ", ".join(f"{p} {d[p]:.2f} (roofline {r[p]:.2f})" for p in PRECISIONS) +
+          f", dense Medium int4 {d['dense-medium-int4']:.2f}; prefill tokens/s " +
+          ", ".join(f"{p} {v:.0f}" for p, v in row["prefill_tokens_per_s"].items()), flush=True)
+
+
+def print_summary(result):
+    for row in result["results"]:
+        r = row["ratios"]
+        print(f"K={row['k']}:")
+        print(f"  int8 vs fp32 {verdict('int8_speedup', r['int8_speedup'])}; int4 vs fp32 "
+              f"{verdict('int4_speedup', r['int4_speedup'])}; all-int4 vs fp32 "
+              f"{verdict('int4_speedup', r['all_int4_speedup'])} (roofline allows " +
+              ", ".join(f"{p} {v:.2f}" for p, v in r["roofline_speedup"].items() if p != "fp32") + ")")
+        print("  over roofline: " + ", ".join(f"{p} {verdict('over_roofline', v)}"
+                                              for p, v in r["over_roofline"].items()))
+        print("  vs dense Medium int4: " + ", ".join(f"{p} {verdict('vs_dense_medium_int4', v)}"
+                                                     for p, v in r["vs_dense_medium_int4"].items()))
+        print("  prefill vs fp32: " + ", ".join(f"{p} {verdict('prefill_vs_fp32', v)}"
+                                                for p, v in r["prefill_vs_fp32"].items()))
+    for row in result["memory"] or []:
+        if row["precision"] == "all-int4":
+            print(f"memory, all-int4 vs fp32 ({row['target']}): file {verdict('file_ratio_all_int4', row['file_ratio'])}"
+                  f", peak RSS {verdict('peak_rss_ratio_all_int4', row['peak_rss_ratio'])}")
+
+
+if __name__ == "__main__":
+    main()
