@@ -167,7 +167,8 @@ def fixed_cost(scratch: Path, threads_list, rounds: int, steps: int) -> dict:
 
 
 def verdicts(result) -> list:
-    """Issue 16's targets against what was measured (medians; the best samples beside them)."""
+    """Issue 16's targets against what was measured: met when the median and the best sample
+    both are within the goal."""
     lines = []
     for row in result["fixed_cost"]["ms"]:
         if row["target"] == "onnxruntime" and row["past"] == FIXED_PASTS[-1]:
@@ -178,7 +179,10 @@ def verdicts(result) -> list:
         if goal is not None and row["past"] in PASTS:
             lines.append((f"K={row['k']} threads={row['threads']} past={row['past']} over roofline",
                           row["over_roofline"]["onnxruntime"], row["best_over_roofline"]["onnxruntime"], goal))
-    return [{"what": what, "median": value, "best": best, "goal": goal, "met": bool(value <= goal)}
+    # On a busy machine the median and the best sample can fall on either side of a goal: then
+    # neither is claimed.
+    return [{"what": what, "median": value, "best": best, "goal": goal,
+             "met": "met" if max(value, best) <= goal else "NOT met" if min(value, best) > goal else "unclear"}
             for what, value, best, goal in lines]
 
 
@@ -240,8 +244,7 @@ def main():
     write()
     print("issue 16, onnxruntime target (median; best sample):")
     for line in result["goals_met"]:
-        print(f"  {line['what']}: {line['median']:.3f} ({line['best']:.3f}) against {line['goal']}: "
-              f"{'met' if line['met'] else 'NOT met'}")
+        print(f"  {line['what']}: {line['median']:.3f} ({line['best']:.3f}) against {line['goal']}: {line['met']}")
     print(f"results: {args.json}")
 
 
