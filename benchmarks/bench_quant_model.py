@@ -13,9 +13,10 @@ GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the co
   median bandwidth; ratios decode / roofline, and fp32 / precision;
 - the peer: a dense GPT-2-Medium-size model (bench_ort.MEDIUM_DENSE) exported at fp32 with the
   onnxruntime target, the LM head's Transpose of the tied wte made a constant, then every MatMul
-  with a constant weight (attention, FFN, the LM head) quantized by onnxruntime's own MatMulNBitsQuantizer (int4, symmetric, block 32, float
-  activations). Not our dense int4 path: its FFN w_out is QDQ blocked along the output
-  dimension, which onnxruntime does not fuse into MatMulNBits (a DequantizeLinear per step);
+  with a constant weight (attention, FFN, the LM head) quantized by onnxruntime's own
+  MatMulNBitsQuantizer (int4, symmetric, block 32, float activations). Not our dense int4 path:
+  its FFN w_out is QDQ blocked along the output dimension, which onnxruntime does not fuse into
+  MatMulNBits (a DequantizeLinear per step: 1.0 s a token, measured under load);
 - prefill tokens/s at 512 tokens, interleaved the same way;
 - with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
   decodes (report.memory), per precision, for both export targets.
@@ -267,8 +268,9 @@ def print_summary(result):
                                                 for p, v in r["prefill_vs_fp32"].items()))
     for row in result["memory"] or []:
         if row["precision"] == "all-int4":
-            print(f"memory, all-int4 vs fp32 ({row['target']}): file {verdict('file_ratio_all_int4', row['file_ratio'])}"
-                  f", peak RSS {verdict('peak_rss_ratio_all_int4', row['peak_rss_ratio'])}")
+            print(f"memory, all-int4 vs fp32 ({row['target']}): file "
+                  f"{verdict('file_ratio_all_int4', row['file_ratio'])}, peak RSS "
+                  f"{verdict('peak_rss_ratio_all_int4', row['peak_rss_ratio'])}")
 
 
 if __name__ == "__main__":

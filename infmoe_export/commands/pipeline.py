@@ -142,8 +142,8 @@ def pipeline_command(checkpoint, out, ks, noise_list, max_windows, dtype_list, b
     # the report says so); a run that stops early leaves the previous one whole.
     with locked(out), staged_dir(out) as work:
         settings = dict(ks=ks, noises=noises, dtypes=dtypes, block_size=block_size, quantize_other=quantize_other,
-                        baselines=baselines, max_windows=max_windows, max_ppl_increase=max_ppl_increase / 100, min_top1=min_top1,
-                        iters=iters, warmup=warmup, budget_s=budget_s, threads=threads)
+                        baselines=baselines, max_windows=max_windows, max_ppl_increase=max_ppl_increase / 100,
+                        min_top1=min_top1, iters=iters, warmup=warmup, budget_s=budget_s, threads=threads)
         paths, failure = run_stages(console, work, torch_model, checkpoint, **settings)
     console.print(f"report: {out / paths['html'].name} (also {paths['markdown'].name}, {paths['json'].name})",
                   markup=False)
