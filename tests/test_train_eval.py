@@ -130,7 +130,7 @@ def test_train_and_eval_commands(tmp_path, run_cli):
     assert log["steps"] == 3 and len(log["log"]) == 3 and math.isfinite(log["final_val_loss"])
     assert len(log["router_spread"]) == 1
     text = corpus / names[0]
-    code, stdout, err = run_cli("eval", "--checkpoint", out, "--text", text, "--k", "1,4", "--json")
+    code, stdout, err = run_cli("eval", "--checkpoint", out, "--text", text, "--k", "1,4", "--json", "--no-baselines")
     assert code == 0, err
     records = json.loads(stdout)
     chunks = data.windows(text.read_bytes(), 32)
