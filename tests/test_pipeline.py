@@ -47,7 +47,7 @@ def test_pipeline_succeeds_and_writes_reports(run):
     lines = result.stdout.splitlines()
     headline = lines.index("infmoe-export pipeline: PASSED")
     verdict = next(i for i, line in enumerate(lines) if line.startswith("✓ ort-fallback fp32: passed"))
-    best = next(i for i, line in enumerate(lines) if line.startswith("Fastest within the parity budget"))
+    best = next(i for i, line in enumerate(lines) if line.startswith("Recommended (fastest within the parity budget"))
     table = next(i for i, line in enumerate(lines) if "Trade-off" in line)
     assert headline < verdict < best < table
     assert sorted(p.name for p in out.iterdir()) == [".infmoe-export", "baselines", "models", "report.html",

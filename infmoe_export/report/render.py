@@ -362,7 +362,8 @@ def recommendation_line(report: dict) -> Optional[str]:
     best = report["recommendation"]
     if best is None:
         return None
-    text = (f"Fastest within the parity budget: {label(best)}, {interval(best['decode_ms'])} ms per decode "
+    text = (f"Recommended (fastest within the parity budget, then most accurate within noise): {label(best)}, "
+            f"{interval(best['decode_ms'])} ms per decode "
             f"step, perplexity {ppl(best['perplexity'])} ({signed_pct(best['perplexity_increase'])} vs float).")
     others = best["within_noise"]
     if others:
