@@ -14,6 +14,7 @@ same run. Timing and feeds are those of `infmoe-export bench` (report/bench.py).
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from infmoe_export.export import export_onnx
 from infmoe_export.files import atomic_write
 from infmoe_export.model import InfMoEConfig, InfMoEGPT, coverage
+from infmoe_export.quant import BITS
 from infmoe_export.report.bench import measure, text_tokens
 from infmoe_export.report.timing import environment, memory_bandwidth
 from infmoe_export.runtimes.registry import make_runner, unavailable
@@ -31,16 +33,25 @@ SMALL = InfMoEConfig(vocab_size=50257, n_positions=1024, d_model=768, n_layer=12
                      slice_width=1536, num_samples=2)
 MEDIUM_DENSE = InfMoEConfig(vocab_size=50257, n_positions=1024, d_model=1024, n_layer=24, n_head=16,
                             ffn_hidden=4096, slice_width=4096, num_samples=1)
-PAST, PREFILL = 128, 512
+PAST, PREFILL, BLOCK = 128, 512, 32  # BLOCK: the quantized exports' block size
 TARGETS = {"decode_vs_fallback": 1.4, "decode_vs_eager": 1.5, "decode_vs_dense_medium": 2.5,
            "decode_over_roofline": 1.25, "prefill_vs_fallback": 1.0}
 
 
-def decode_bytes(model: InfMoEGPT, k: int, past: int = PAST) -> int:
-    """Bytes a batch-1 decode step at `past` must read (fp32): every weight except the unused
-    rows of w_in / w_out and all but two embedding rows, plus the KV cache. The union of the
-    windows is the one the reference picks for the timed token (same text as the benchmark)."""
+def stored_bytes(numel: int, rows: int, bits: int) -> int:
+    """Bytes of numel weights in `rows` rows at `bits` (SPEC §6: float32 scales per block of BLOCK)."""
+    if bits == 32:
+        return 4 * numel
+    return numel * bits // 8 + rows * math.ceil(numel // rows / BLOCK) * 4
+
+
+def decode_bytes(model: InfMoEGPT, k: int, past: int = PAST, dtype: str = "fp32", quantize_other: str = "none") -> int:
+    """Bytes a batch-1 decode step at `past` must read at this precision: every weight except the
+    unused rows of w_in / w_out and all but two embedding rows, the tied LM head (all of wte), the
+    KV cache; quantized matrices at their bits plus their scales. The union of the windows is the
+    one the reference picks for the timed token (the benchmark's text)."""
     c = model.config
+    expert_bits, other_bits = BITS.get(dtype, 32), BITS.get(quantize_other, 32)
     ids = torch.from_numpy(text_tokens(past + 1)).view(1, -1)
     with torch.no_grad():
         starts = model(ids, k=k, return_starts=True).starts
@@ -48,13 +59,18 @@ def decode_bytes(model: InfMoEGPT, k: int, past: int = PAST) -> int:
     for name, p in model.named_parameters():
         if name.endswith(("moe.w_in", "moe.w_out")):
             continue
-        total += 2 * c.d_model if name in ("wte.weight", "wpe.weight") else p.numel()
-    total += c.vocab_size * c.d_model  # the tied LM head reads all of wte
+        if name == "wte.weight":
+            total += 2 * stored_bytes(c.d_model, 1, other_bits) + stored_bytes(p.numel(), c.vocab_size, other_bits)
+        elif name == "wpe.weight":
+            total += 2 * 4 * c.d_model
+        elif name.endswith(("attn.qkv.weight", "attn.proj.weight")):
+            total += stored_bytes(p.numel(), p.shape[0], other_bits)
+        else:
+            total += 4 * p.numel()
     for s in starts:
         union = int((coverage(s[0, -1], c.ffn_hidden, c.slice_width) > 0).sum())
-        total += 2 * union * c.d_model
-    total += c.n_layer * 2 * past * c.d_model  # keys and values of the cache
-    return 4 * total
+        total += 2 * stored_bytes(union * c.d_model, union, expert_bits)
+    return total + 4 * c.n_layer * 2 * past * c.d_model
 
 
 def timings(runner_backend, model, torch_model, warmup, iters):

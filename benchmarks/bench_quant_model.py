@@ -9,7 +9,7 @@ GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the co
 - decode ms/token at past 128 (bench_decode.Decoder: each timed step a token at exactly that
   past), interleaved round by round across the precisions and the peer, one sample of onnxruntime's
   own MatMul read bandwidth (bench_decode.MatMulBandwidth, 256 MiB) before each decode sample;
-- each precision's roofline: the bytes that precision must read (decode_bytes below) over the
+- each precision's roofline: the bytes that precision must read (bench_ort.decode_bytes) over the
   median bandwidth; ratios decode / roofline, and fp32 / precision;
 - the peer: a dense GPT-2-Medium-size model (bench_ort.MEDIUM_DENSE) exported at fp32 with the
   onnxruntime target, the LM head's Transpose of the tied wte made a constant, then every MatMul
@@ -28,7 +28,6 @@ import argparse
 import collections
 import json
 import logging
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -41,59 +40,23 @@ from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort and bench_decode beside this file
 from bench_decode import Decoder, MatMulBandwidth  # noqa: E402
-from bench_ort import MEDIUM_DENSE, SMALL  # noqa: E402
+from bench_ort import BLOCK, MEDIUM_DENSE, SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import ExportedModel  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
 from infmoe_export.files import atomic_write  # noqa: E402
 from infmoe_export.model import InfMoEGPT, coverage  # noqa: E402
-from infmoe_export.quant import BITS  # noqa: E402
 from infmoe_export.report.bench import text_tokens  # noqa: E402
 from infmoe_export.report.memory import files_of, measure_child  # noqa: E402
 from infmoe_export.report.timing import environment, time_calls  # noqa: E402
 from infmoe_export.runtimes.ort import SharedCache  # noqa: E402
 from infmoe_export.runtimes.ort_kernel import custom_op_library  # noqa: E402
 
-PAST, PREFILL, BLOCK = 128, 512, 32
+PAST, PREFILL = 128, 512
 PRECISIONS = {"fp32": {}, "int8": {"dtype": "int8"}, "int4": {"dtype": "int4"},
               "all-int4": {"dtype": "int4", "quantize_other": "int4"}}
 GOALS = {"int8_speedup": 2.5, "int4_speedup": 4.0, "over_roofline": 1.3, "vs_dense_medium_int4": 2.5,
          "prefill_vs_fp32": 1.0, "file_ratio_all_int4": 0.2, "peak_rss_ratio_all_int4": 0.35}
 AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}
-
-
-def stored_bytes(numel: int, rows: int, bits: int) -> int:
-    """Bytes of numel weights in `rows` rows at `bits` (SPEC §6: float32 scales per block of BLOCK)."""
-    if bits == 32:
-        return 4 * numel
-    return numel * bits // 8 + rows * math.ceil(numel // rows / BLOCK) * 4
-
-
-def decode_bytes(model: InfMoEGPT, k: int, dtype: str = "fp32", quantize_other: str = "none") -> int:
-    """Bytes a batch-1 decode step at PAST must read at this precision: every weight except the
-    unused rows of w_in / w_out and all but two embedding rows, the tied LM head (all of wte), the
-    KV cache; quantized matrices at their bits plus their scales. The union of the windows is the
-    one the reference picks for the timed token (the benchmark's text)."""
-    c = model.config
-    expert_bits, other_bits = BITS.get(dtype, 32), BITS.get(quantize_other, 32)
-    ids = torch.from_numpy(text_tokens(PAST + 1)).view(1, -1)
-    with torch.no_grad():
-        starts = model(ids, k=k, return_starts=True).starts
-    total = 0
-    for name, p in model.named_parameters():
-        if name.endswith(("moe.w_in", "moe.w_out")):
-            continue
-        if name == "wte.weight":
-            total += 2 * stored_bytes(c.d_model, 1, other_bits) + stored_bytes(p.numel(), c.vocab_size, other_bits)
-        elif name == "wpe.weight":
-            total += 2 * 4 * c.d_model
-        elif name.endswith(("attn.qkv.weight", "attn.proj.weight")):
-            total += stored_bytes(p.numel(), p.shape[0], other_bits)
-        else:
-            total += 4 * p.numel()
-    for s in starts:
-        union = int((coverage(s[0, -1], c.ffn_hidden, c.slice_width) > 0).sum())
-        total += 2 * stored_bytes(union * c.d_model, union, expert_bits)
-    return total + 4 * c.n_layer * 2 * PAST * c.d_model
 
 
 def dense_peer(scratch: Path) -> ExportedModel:
