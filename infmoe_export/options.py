@@ -57,3 +57,7 @@ def set_threads(threads: Optional[int] = None) -> int:
     threads = threads or min(4, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     return threads
+
+
+QUANTIZE_OTHER_HELP = ("Precision of attention and the tied embedding / LM head in the int8 / int4 models "
+                       "(docs/quantization.md); fp32 and fp16 models stay float.")

@@ -11,32 +11,17 @@ from rich.console import Console
 
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..contract import QUANTIZE_OTHER
-from ..errors import InfMoEError
 from ..export import export_many
 from ..files import atomic_write, output_file
-from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
-from ..quant import BITS, DEFAULT_BLOCK_SIZE
-from ..report.bench import DEFAULT_PAST, check_shapes, check_block_size_option, export_options, run_bench
+from ..options import QUANTIZE_OTHER_HELP, THREADS, FiniteFloat, check_forward_memory, positive_ints
+from ..quant import DEFAULT_BLOCK_SIZE
+from ..report.bench import (DEFAULT_PAST, check_block_size_option, check_quantize_other, check_shapes,
+                            export_options, run_bench)
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, validate_report
 from ..report.timing import REL_CI, environment
 from ..runtimes import registry
 from .trt import precision_list
-
-
-QUANTIZE_OTHER_HELP = ("Precision of attention and the tied embedding / LM head in the int8 / int4 models "
-                       "(docs/quantization.md); fp32 and fp16 models stay float.")
-
-
-def check_quantize_other(dtypes, quantize_other: str) -> None:
-    if quantize_other != "none" and not set(dtypes) & set(BITS):
-        raise InfMoEError(f"--quantize-other {quantize_other} applies to int8 / int4 models, and --dtype has none")
-
-
-def precision_options(dtype: str, block_size: int, quantize_other: str) -> dict:
-    """export_onnx's options of one precision: the float precisions stay all float (they are the
-    reference that level-2 parity compares against)."""
-    return {**export_options(dtype, block_size), **({"quantize_other": quantize_other} if dtype in BITS else {})}
 
 
 @click.command("bench")
@@ -91,8 +76,7 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dty
             registry.check_models(models, torch_model.config)
         else:
             models = [m for dtype in dtypes for m in export_many(torch_model, Path(scratch) / dtype, ks, (noise,),
-                                                                 **precision_options(dtype, block_size,
-                                                                                    quantize_other))]
+                                                                 **export_options(dtype, block_size, quantize_other))]
         engines = Path(engines) if engines else None
         bench = run_bench(torch_model, models, backends=backends, batches=batches, seqs=seqs, past=past,
                           warmup=warmup, iters=iters, budget_s=budget_s, rel_ci=rel_ci, engines=engines,

@@ -25,10 +25,10 @@ from ..errors import InfMoEError
 from ..export import export_many
 from ..model import NOISE_MODES
 from ..files import locked, output_dir, staged_dir
-from ..options import THREADS, FiniteFloat, check_forward_memory, positive_ints
+from ..options import QUANTIZE_OTHER_HELP, THREADS, FiniteFloat, check_forward_memory, positive_ints
 from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.baselines import baseline_paths, prepare_baselines
-from ..report.bench import DEFAULT_PAST, check_block_size_option, run_bench
+from ..report.bench import DEFAULT_PAST, check_block_size_option, check_quantize_other, export_options, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, write_report
 from ..report.timing import REL_CI, environment
@@ -37,7 +37,6 @@ from ..runtimes.tensorrt import build_engines, tensorrt_problem
 from ..verify.parity import DEFAULT_MAX_PPL_INCREASE, DEFAULT_MIN_TOP1, failure_line, run_parity
 from ..verify.validate import validate_onnx
 from ..contract import QUANTIZE_OTHER
-from .bench import QUANTIZE_OTHER_HELP, check_quantize_other, precision_options
 from .trt import precision_list
 
 DEFAULT_OUT = Path("runs") / "pipeline"
@@ -166,7 +165,7 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtyp
             for dtype in dtypes:  # one folder per precision: models/fp32/model_k1_quantile_fp32.onnx
                 models.extend(export_many(torch_model, models_dir / dtype, ks, noises, with_starts=True,
                                           progress=lambda d: advance(f"{dtype} {d}"),
-                                          **precision_options(dtype, block_size, quantize_other)))
+                                          **export_options(dtype, block_size, quantize_other)))
             return "ok", f"{len(models)} models in {models_dir}"
 
         def validate(advance):
@@ -189,7 +188,7 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, dtyp
             planned = {(m.k, dtype): m for dtype in dtypes
                        for m in export_many(torch_model, folder / "onnx" / dtype, ks, function=False, with_starts=True,
                                             target="tensorrt",
-                                            **precision_options(dtype, block_size, quantize_other))}
+                                            **export_options(dtype, block_size, quantize_other))}
             advance("building engines")
             engines = build_engines(planned, folder, folder / "timing.cache", max(BATCHES), None, False)
             return "ok", f"engines in {engines}"
