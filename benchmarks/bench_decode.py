@@ -31,6 +31,7 @@ import collections
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 
@@ -59,6 +60,15 @@ TARGETS = ("portable", "onnxruntime")
 GOALS = {"over_roofline_past128_2threads": 1.10, "over_roofline_past512_2threads": 1.15,
          "over_roofline_1thread": 1.25, "fixed_cost_ms": 0.3}
 BANDWIDTH_ROWS, BANDWIDTH_COLS = 4096, 16384  # a 256 MiB float32 weight
+# After a run, onnxruntime's pool threads spin a while before they sleep (allow_spinning, on by
+# default, as deployed): a session sampled right after another shares the two cores with them
+# (measured: the 2-thread MatMul read 18.6 GB/s median right after decode steps, 23.2 at 1 thread).
+SETTLE_S = 0.05
+
+
+def settle():
+    """Let the previous session's spinning threads go to sleep before the next sample."""
+    time.sleep(SETTLE_S)
 
 
 class MatMulBandwidth:
@@ -79,6 +89,7 @@ class MatMulBandwidth:
         self.bytes = weight.nbytes
 
     def sample(self, repeats: int = 3) -> float:
+        settle()
         seconds = time_calls(lambda: self.session.run(None, self.feed), 1, repeats)
         return self.bytes / median(seconds) / 1e9
 
@@ -113,6 +124,7 @@ class Decoder:
 
     def sample(self, past: int, steps: int) -> float:
         """Median ms of `steps` decode steps (after one untimed)."""
+        settle()
         return median(time_calls(self.steps[past], 1, steps)) * 1e3
 
 

@@ -39,7 +39,7 @@ import torch
 from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort and bench_decode beside this file
-from bench_decode import Decoder, MatMulBandwidth  # noqa: E402
+from bench_decode import Decoder, MatMulBandwidth, settle  # noqa: E402
 from bench_ort import BLOCK, MEDIUM_DENSE, SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import ExportedModel  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
@@ -98,6 +98,7 @@ def interleaved_rounds(steps: dict, bandwidth: MatMulBandwidth, rounds: int, cal
     for _ in range(rounds):
         for name, step in steps.items():
             gbs.append(bandwidth.sample())
+            settle()
             samples[name].append(median(time_calls(step, 1, calls)) * 1e3)
     return {name: median(values) for name, values in samples.items()}, gbs
 
