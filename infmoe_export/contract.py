@@ -146,19 +146,26 @@ class DecoderIO:
 
     def feed(self, input_ids, attention_mask, past: Optional[Sequence] = None, expert_noise=None) -> "OrderedDict":
         """An input feed (numpy, ONNX names) from arrays; past is the flat list of present arrays."""
-        input_ids = np.asarray(input_ids, dtype=np.int64)
-        feed = OrderedDict(input_ids=input_ids, attention_mask=np.asarray(attention_mask, dtype=np.int64))
+        step = self.step_inputs(input_ids, attention_mask, expert_noise)
+        feed = OrderedDict((name, step.pop(name)) for name in ("input_ids", "attention_mask"))
         if self.past:
             if past is None:  # prefill: an empty cache
                 c = self.config
-                empty = np.zeros((input_ids.shape[0], c.n_head, 0, c.head_dim), dtype=np.float32)
+                empty = np.zeros((feed["input_ids"].shape[0], c.n_head, 0, c.head_dim), dtype=np.float32)
                 past = [empty] * len(self.past_names)
             feed.update(zip(self.past_names, past))
+        feed.update(step)
+        return feed
+
+    def step_inputs(self, input_ids, attention_mask, expert_noise=None) -> Dict[str, np.ndarray]:
+        """The inputs of a step but the cache: what a runner with the cache bound feeds."""
+        inputs = {"input_ids": np.asarray(input_ids, dtype=np.int64),
+                  "attention_mask": np.asarray(attention_mask, dtype=np.int64)}
         if self.noise == "sampled":
             if expert_noise is None:
                 raise InfMoEError("a sampled-noise model needs expert_noise [batch, sequence, K]")
-            feed["expert_noise"] = np.asarray(expert_noise, dtype=np.float32)
-        return feed
+            inputs["expert_noise"] = np.asarray(expert_noise, dtype=np.float32)
+        return inputs
 
     def dummy_inputs(self, batch: int = 2, sequence: int = 5, past_sequence: int = 3, left_pad: int = 1,
                      seed: int = 0) -> "OrderedDict":

@@ -130,10 +130,8 @@ class SharedCache:
             raise InfMoEError(f"{total} tokens do not fit the cache of n_positions = {self.io.config.n_positions}")
         if attention_mask is None:
             attention_mask = np.ones((batch, total), np.int64)
-        feed = self.io.feed(input_ids, attention_mask, self._past, expert_noise)
-        for name, value in feed.items():
-            if not isinstance(value, ort.OrtValue):  # the cache is bound already
-                self._binding.bind_cpu_input(name, value)
+        for name, value in self.io.step_inputs(input_ids, attention_mask, expert_noise).items():
+            self._binding.bind_cpu_input(name, value)  # the cache is bound already
         shape = (batch, sequence, self.io.config.vocab_size)
         if shape not in self._logits:
             array = np.empty(shape, np.float32)
