@@ -97,10 +97,10 @@ class MatMulBandwidth:
 class Decoder:
     """One exported model in one session: step(past)() times one decode token at that past."""
 
-    def __init__(self, exported, threads: int):
+    def __init__(self, exported, threads: int, options: ort.SessionOptions = None):
         self.io = exported.io
         self.session = create_session(exported, kernel=True, providers=["CPUExecutionProvider"],
-                                      intra_op_threads=threads)
+                                      intra_op_threads=threads, options=options)
         self.steps = {}
 
     def prepare(self, past: int):
@@ -111,7 +111,7 @@ class Decoder:
 
             def step():
                 cache.length = past  # the same position each time: a step at exactly `past`
-                cache.step(tokens[:, past:])
+                return cache.step(tokens[:, past:])
         else:
             present = self.session.run(None, self.io.feed(tokens[:, :past], np.ones((1, past), np.int64)))
             cache = dict(zip([o.name for o in self.session.get_outputs()], present))
