@@ -219,6 +219,8 @@ def test_shared_cache_with_sampled_noise_and_starts(model, tmp_path):
             assert sorted(shared) == sorted(["logits"] + [f"expert_starts.{i}" for i in range(CONFIG.n_layer)])
             for name, value in shared.items():
                 np.testing.assert_allclose(value, plain[name], atol=1e-5)
+        with pytest.raises(InfMoEError, match="needs expert_noise"):
+            cache.step(ids[:, :1])
 
 
 def test_shared_cache_bad_input(exports):
