@@ -82,7 +82,8 @@ using NativeBytes = SignedBytes;
 constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode path
 constexpr int64_t kChunkBytes = 256 << 10;  // decode: weight bytes (w_in + w_out) per work item
 constexpr int64_t kMaxChunkRows = 1024;
-constexpr int kAxpyRows = 2;              // decode: w_out rows per pass over the partial output (4: no faster)
+constexpr int kDotRows = 2;               // decode: w_in rows per pass over x
+constexpr int kAxpyRows = 2;              // decode: w_out rows per pass over the partial output
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
@@ -338,9 +339,17 @@ inline void AxpyRows(const Format& w, int64_t i, const float* h, int64_t full, i
   for (int r = 0; r < Rows; ++r) Axpy(w, i + r, h[r], full, tail, out);
 }
 
+// dots[r] = row i + r . x for r = 0 .. Rows - 1.
+template <int Rows, class Format>
+inline void DotRows(const Format& w, int64_t i, const Lanes<Format::kWidth>* x, int64_t full, int64_t tail,
+                    float* dots) {
+  for (int r = 0; r < Rows; ++r) dots[r] = Dot(w, i + r, x, full, tail);
+}
+
 // What the decode loops read a format through: the format itself, except int4 rows on AVX-512
 // (below). Its register layout of a row: slot s, lane l holds column Column(s, l) (>= d:
-// padding, where x is zero), x stored times XScale(s); natural: unit after unit, times 1.
+// padding, where x is zero), x and the partial outputs stored times XScale(s) and 1 / XScale(s);
+// natural: unit after unit, times 1.
 template <class Format>
 const Format& DecodeRows(const Format& w) {
   return w;
@@ -370,32 +379,57 @@ struct PackedRows {
   static constexpr int kPerDword = 32 / Bits, kHalf = kPerDword / 2, kGroupColumns = 16 * kPerDword;
   QuantRows<Bits, T> w;
   __m512i scale_index;  // lane l -> its block, counted from the group's first
-  int64_t groups, full_groups, per_group;  // per_group: blocks per group (0: a block spans groups)
+  int64_t groups, full_groups;  // full_groups: those with 64 bytes (all but a partial last one)
+  int64_t scales_per_group;     // blocks a group touches
   int block_log2;
 
   explicit PackedRows(const QuantRows<Bits, T>& rows) : w(rows) {
     groups = (w.d + kGroupColumns - 1) / kGroupColumns;
     full_groups = w.packed / 64;
     block_log2 = w.block_shift + 4;  // block_size = kWidth << block_shift
-    per_group = (int64_t{kGroupColumns} >> block_log2);
+    scales_per_group = std::max(int64_t{kGroupColumns} >> block_log2, int64_t{1});
     alignas(64) int32_t index[16];
-    for (int l = 0; l < 16; ++l) index[l] = per_group ? (kPerDword * l) >> block_log2 : 0;
+    for (int l = 0; l < 16; ++l) index[l] = (kPerDword * l) >> block_log2;
     scale_index = _mm512_load_si512(index);
   }
-  // Group g's 64 packed bytes; past the row's end (its last group) nothing is read: zero bytes.
-  __m512i Bytes(const uint8_t* q, int64_t g) const {
-    if (g < full_groups) return _mm512_loadu_si512(q + 64 * g);
+  // Group g's 64 packed bytes; in the partial last group (tail) nothing past the row's end is
+  // read: zero bytes.
+  __m512i Bytes(const uint8_t* q, int64_t g, bool tail) const {
+    if (!tail) return _mm512_loadu_si512(q + 64 * g);
     return _mm512_maskz_loadu_epi8((__mmask64{1} << (w.packed - 64 * g)) - 1, q + 64 * g);
   }
-  __m512 ScaleLanes(const T* scale, int64_t g) const {
-    if (per_group == 0) return _mm512_set1_ps(ToFloat(scale[(int64_t{kGroupColumns} * g) >> block_log2]));
-    const int64_t first = g * per_group;
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min(per_group, w.blocks - first)) - 1);
+  // Each lane's block scale in group g; tail: the row's last group, which may lack blocks.
+  // Plain loads of exactly the group's scales where all are there (a masked load: 3-7 % slower
+  // in cache), zero above them.
+  __m512 ScaleLanes(const T* scale, int64_t g, bool tail) const {
+    const int64_t first = (int64_t{kGroupColumns} * g) >> block_log2;
+    const T* s = scale + first;
+    if (tail) {
+      const __mmask16 valid = static_cast<__mmask16>((1u << std::min(scales_per_group, w.blocks - first)) - 1);
+      if constexpr (sizeof(T) == 4) return _mm512_permutexvar_ps(scale_index, _mm512_maskz_loadu_ps(valid, s));
+      return _mm512_permutexvar_ps(scale_index, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, s)));
+    }
+    if (scales_per_group == 1) return _mm512_set1_ps(ToFloat(*s));
     __m512 scales;
     if constexpr (sizeof(T) == 4) {
-      scales = _mm512_maskz_loadu_ps(valid, scale + first);
+      switch (scales_per_group) {
+        case 2: scales = _mm512_castpd_ps(_mm512_zextpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(s)))); break;
+        case 4: scales = _mm512_zextps128_ps512(_mm_loadu_ps(s)); break;
+        default: scales = _mm512_zextps256_ps512(_mm256_loadu_ps(s));  // 8
+      }
     } else {
-      scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + first));
+      __m128i halves;
+      switch (scales_per_group) {
+        case 2: {
+          int32_t two;
+          std::memcpy(&two, s, sizeof two);
+          halves = _mm_cvtsi32_si128(two);
+          break;
+        }
+        case 4: halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)); break;
+        default: halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));  // 8
+      }
+      scales = _mm512_cvtph_ps(_mm256_zextsi128_si256(halves));
     }
     return _mm512_permutexvar_ps(scale_index, scales);
   }
@@ -428,49 +462,63 @@ struct DecodeLayout<PackedRows<Bits, T>> {
   static float XScale(int64_t s) { return Rows::Unscale(s); }
 };
 
-template <int Bits, typename T>
-inline float Dot(const PackedRows<Bits, T>& n, int64_t i, const Lanes<16>* x, int64_t, int64_t) {
+// Rows [i, i + Rows) . x into dots, side by side: each x slot is loaded once for all of them and
+// the rows are independent chains (adjacent rows: one stream). The lanes are summed for all rows
+// at once at the end.
+template <int Rows, int Bits, typename T>
+inline void DotRows(const PackedRows<Bits, T>& n, int64_t i, const Lanes<16>* x, int64_t, int64_t, float* dots) {
   constexpr int K = PackedRows<Bits, T>::kPerDword;
-  const auto row = n.w.At(i);
+  typename QuantRows<Bits, T>::Row row[Rows];
+  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r);
   const __m512* xs = reinterpret_cast<const __m512*>(x);
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-  for (int64_t g = 0; g < n.groups; ++g) {
-    const __m512i low = n.Bytes(row.q, g), high = _mm512_srli_epi32(low, 16);
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
+    __m512i low[Rows], high[Rows];
+    __m512 p[Rows];
+    for (int r = 0; r < Rows; ++r) low[r] = n.Bytes(row[r].q, g, tail), high[r] = _mm512_srli_epi32(low[r], 16);
     const __m512* xg = xs + K * g;
-    // Two chains: the group's FMAs do not all wait on each other's latency.
-    __m512 p = _mm512_mul_ps(n.Q(low, high, 0), xg[0]), q = _mm512_mul_ps(n.Q(low, high, 1), xg[1]);
-    for (int k = 2; k < K; k += 2) {
-      p = _mm512_fmadd_ps(n.Q(low, high, k), xg[k], p);
-      q = _mm512_fmadd_ps(n.Q(low, high, k + 1), xg[k + 1], q);
+#pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      const __m512 xk = xg[k];
+      for (int r = 0; r < Rows; ++r) {
+        p[r] = k ? _mm512_fmadd_ps(n.Q(low[r], high[r], k), xk, p[r]) : _mm512_mul_ps(n.Q(low[r], high[r], k), xk);
+      }
     }
-    __m512& acc = g & 1 ? odd : even;
-    acc = _mm512_fmadd_ps(_mm512_add_ps(p, q), n.ScaleLanes(row.scale, g), acc);
-  }
-  return SumLanes<16>(reinterpret_cast<Lanes<16>>(_mm512_add_ps(even, odd)));
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(p[r], n.ScaleLanes(row[r].scale, g, tail), acc[r]);
+  };
+  int64_t g = 0;
+  for (; g < n.full_groups; ++g) group(g, false);
+  if (g < n.groups) group(g, true);
+  for (int r = 0; r < Rows; ++r) dots[r] = SumLanes<16>(reinterpret_cast<Lanes<16>>(acc[r]));
 }
 
 // Several rows per pass, one after the other per register: fewer loads and stores of out (its
-// stores bound the one-row loop), the same sums as one row at a time.
+// stores bound the one-row loop), the same sums as one row at a time. out holds the partial
+// output times 2^(Bits k') (exact: a power of two), so Q needs no unscaling here.
 template <int Rows, int Bits, typename T>
 inline void AxpyRows(const PackedRows<Bits, T>& n, int64_t i, const float* h, int64_t, int64_t, Lanes<16>* out) {
   constexpr int K = PackedRows<Bits, T>::kPerDword;
   typename QuantRows<Bits, T>::Row row[Rows];
   for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r);
   __m512* o = reinterpret_cast<__m512*>(out);
-  for (int64_t g = 0; g < n.groups; ++g) {
+  auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
     __m512i low[Rows], high[Rows];
-    __m512 scaled[Rows][K / 2];
+    __m512 c[Rows];
     for (int r = 0; r < Rows; ++r) {
-      low[r] = n.Bytes(row[r].q, g), high[r] = _mm512_srli_epi32(low[r], 16);
-      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(h[r]), n.ScaleLanes(row[r].scale, g));
-      for (int k = 0; k < K / 2; ++k) scaled[r][k] = _mm512_mul_ps(c, _mm512_set1_ps(PackedRows<Bits, T>::Unscale(k)));
+      low[r] = n.Bytes(row[r].q, g, tail), high[r] = _mm512_srli_epi32(low[r], 16);
+      c[r] = _mm512_mul_ps(_mm512_set1_ps(h[r]), n.ScaleLanes(row[r].scale, g, tail));
     }
+#pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       __m512 sum = o[K * g + k];
-      for (int r = 0; r < Rows; ++r) sum = _mm512_fmadd_ps(scaled[r][k % (K / 2)], n.Q(low[r], high[r], k), sum);
+      for (int r = 0; r < Rows; ++r) sum = _mm512_fmadd_ps(c[r], n.Q(low[r], high[r], k), sum);
       o[K * g + k] = sum;
     }
-  }
+  };
+  int64_t g = 0;
+  for (; g < n.full_groups; ++g) group(g, false);
+  if (g < n.groups) group(g, true);
 }
 #endif
 
@@ -520,14 +568,16 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
     Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo;
-    for (int64_t i = 0; i < rows; ++i) hidden[i] = Dot(w_in, c.lo + i, xt, full, tail) + ToFloat(b_in[c.lo + i]);
+    int64_t i = 0;
+    for (; i + kDotRows <= rows; i += kDotRows) DotRows<kDotRows>(w_in, c.lo + i, xt, full, tail, hidden + i);
+    for (; i < rows; ++i) DotRows<1>(w_in, c.lo + i, xt, full, tail, hidden + i);
+    for (i = 0; i < rows; ++i) hidden[i] += ToFloat(b_in[c.lo + i]);
     Eigen::Map<Eigen::ArrayXf> h(hidden, rows);
     GeluTanh(h);
     Coverage(starts + c.token * s.k, s.k, s.r, c.lo, c.hi, coverage);
     h *= Eigen::Map<const Eigen::ArrayXf>(coverage, rows);
     std::fill(out, out + units, Lanes<W>{});
-    int64_t i = 0;
-    for (; i + kAxpyRows <= rows; i += kAxpyRows) {
+    for (i = 0; i + kAxpyRows <= rows; i += kAxpyRows) {
       AxpyRows<kAxpyRows>(w_out, c.lo + i, hidden + i, full, tail, out);
     }
     for (; i < rows; ++i) AxpyRows<1>(w_out, c.lo + i, hidden + i, full, tail, out);
@@ -535,8 +585,10 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
 
   for (int64_t t = 0; t < s.tokens; ++t) {
     for (int64_t u = 0; u < units; ++u) {
-      Lanes<W> sum = slot(b_out, u);
+      // The partials are stored divided by XScale (powers of two: exact), so is b_out here.
+      Lanes<W> sum = slot(b_out, u) / Layout::XScale(u);
       for (size_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) sum += partials[c * units + u];
+      sum *= Layout::XScale(u);
       for (int l = 0; l < W; ++l) {
         const int64_t column = Layout::Column(u, l);
         if (column < s.d) FromFloat(sum[l], y + t * s.d + column);
