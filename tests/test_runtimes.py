@@ -58,6 +58,23 @@ def test_runners_share_io_and_agree_in_polygraphy(tiny_model, sampled_k2):
     assert bool(accuracy)
 
 
+def test_runners_taking_turns_do_not_spin_past_a_run(sampled_k2):
+    """bench's runners take turns on the same cores: their pools sleep once a run returns;
+    every other runner keeps onnxruntime's default."""
+    from infmoe_export.runtimes import registry
+    from infmoe_export.runtimes.ort import FORCE_SPINNING_STOP
+
+    model = ExportedModel.read(sampled_k2)
+    for taking_turns, expected in ((True, "1"), (False, None)):
+        with registry.make_runner("ort-fallback", model, None, taking_turns=taking_turns) as runner:
+            options = runner.sess.get_session_options()
+            try:
+                value = options.get_session_config_entry(FORCE_SPINNING_STOP)
+            except RuntimeError:  # not set
+                value = None
+            assert value == expected
+
+
 def test_default_providers():
     providers = default_providers()
     assert providers[-1] == "CPUExecutionProvider"

@@ -148,12 +148,12 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
                     continue
                 runners.append((backend, model, None,
                                 stack.enter_context(registry.make_runner(backend, model, torch_model, engines,
-                                                                         threads))))
+                                                                         threads, taking_turns=True))))
         for name, model, base_torch in baselines:
             results[("ort-fallback", model.path, 1, 1)] = blank_row("ort-fallback", model, 1, 1, past, name)
             runners.append(("ort-fallback", model, name,
                             stack.enter_context(registry.make_runner("ort-fallback", model, base_torch, None,
-                                                                     threads))))
+                                                                     threads, taking_turns=True))))
         for batch, seq in shapes:
             if progress:
                 progress(f"batch {batch}, {'decode' if seq == 1 else f'prefill {seq}'}")

@@ -46,15 +46,26 @@ def _float_matmulnbits(options: ort.SessionOptions):
         options.add_session_config_entry(MATMULNBITS_ACCURACY, "1")
 
 
+# After a run, onnxruntime's pool threads spin a while (tens of ms here) before they sleep: right
+# for one session stepping back to back, wrong for sessions taking turns on the same cores, where
+# each run would share them with the previous session's spinning threads (measured: onnxruntime's
+# MatMul read 16 GB/s right after another session's decode steps, 22-26 once those slept).
+FORCE_SPINNING_STOP = "session.force_spinning_stop"
+
+
 def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool = True,
                    providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
-                   options: Optional[ort.SessionOptions] = None) -> ort.InferenceSession:
+                   options: Optional[ort.SessionOptions] = None, stop_spinning: bool = False) -> ort.InferenceSession:
     """An InferenceSession for an exported model: the kernel when asked for and installed, the
-    fallback function otherwise; providers default to the best installed ones."""
+    fallback function otherwise; providers default to the best installed ones. stop_spinning:
+    the pool's threads sleep as soon as a run returns (FORCE_SPINNING_STOP), for sessions that
+    take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
         model = ExportedModel.read(model)
     options = options or ort.SessionOptions()
     _float_matmulnbits(options)
+    if stop_spinning:
+        options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
     registered = kernel and ort_kernel.register(options)
@@ -74,12 +85,13 @@ class OrtRunner(OnnxrtRunner):
 
     def __init__(self, decoder_io: DecoderIO, model: Union[ExportedModel, str, os.PathLike], *, kernel: bool = True,
                  providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
-                 name: Optional[str] = None):
+                 stop_spinning: bool = False, name: Optional[str] = None):
         if not isinstance(model, ExportedModel):
             model = ExportedModel.read(model)
         if model.io != decoder_io:
             raise InfMoEError(f"{model.path} was exported with other inputs and outputs than the ones given")
-        super().__init__(lambda: create_session(model, kernel, providers, intra_op_threads), name=name)
+        super().__init__(lambda: create_session(model, kernel, providers, intra_op_threads,
+                                                stop_spinning=stop_spinning), name=name)
         self.path = model.path
         self.io = decoder_io
 

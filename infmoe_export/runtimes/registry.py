@@ -93,9 +93,11 @@ def unavailable(backend: str, model: ExportedModel, engines: Optional[Path] = No
 
 
 def make_runner(backend: str, model: ExportedModel, torch_model, engines: Optional[Path] = None,
-                threads: Optional[int] = None):
+                threads: Optional[int] = None, taking_turns: bool = False):
     """A Polygraphy runner named after the backend, with the model's input and output names;
-    threads: onnxruntime's intra-op threads (None: its default, one per physical core)."""
+    threads: onnxruntime's intra-op threads (None: its default, one per physical core);
+    taking_turns: the runner's calls alternate with other runners' (bench), so onnxruntime's
+    threads must not spin past a run (ort.FORCE_SPINNING_STOP)."""
     if backend == "torch":
         from .torch_runner import TorchRunner
 
@@ -103,7 +105,8 @@ def make_runner(backend: str, model: ExportedModel, torch_model, engines: Option
     if backend in ("ort", "ort-fallback"):
         from .ort import OrtRunner
 
-        return OrtRunner(model.io, model, kernel=backend == "ort", intra_op_threads=threads, name=backend)
+        return OrtRunner(model.io, model, kernel=backend == "ort", intra_op_threads=threads,
+                         stop_spinning=taking_turns, name=backend)
     if backend == "trt":
         from .tensorrt import TrtRunner
 
