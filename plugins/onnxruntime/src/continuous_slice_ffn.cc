@@ -82,6 +82,7 @@ using NativeBytes = SignedBytes;
 constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode path
 constexpr int64_t kChunkBytes = 256 << 10;  // decode: weight bytes (w_in + w_out) per work item
 constexpr int64_t kMaxChunkRows = 1024;
+constexpr int64_t kPrefetchRows = 2;       // decode, quantized rows on AVX-512: prefetch distance
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
@@ -392,9 +393,18 @@ struct PackedRows {
     for (int l = 0; l < 16; ++l) index[l] = (kPerDword * l) >> block_log2;
     scale_index = _mm512_load_si512(index);
   }
+  // Software prefetch kPrefetchRows rows ahead in each stream (0.89-0.94x the time streamed,
+  // 1.01x in cache; 4 rows ahead or more: less gain or slower); a prefetch never faults, past the
+  // tensor's end neither. Row's scales here, its group g's bytes in Bytes.
+  void Prefetch(typename QuantRows<Bits, T>::Row row) const {
+    const char* scale = reinterpret_cast<const char*>(row.scale + kPrefetchRows * w.blocks);
+    _mm_prefetch(scale, _MM_HINT_T0);
+    _mm_prefetch(scale + w.blocks * sizeof(T) - 1, _MM_HINT_T0);
+  }
   // Group g's 64 packed bytes; in the partial last group (tail) nothing past the row's end is
   // read: zero bytes.
   __m512i Bytes(const uint8_t* q, int64_t g, bool tail) const {
+    _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.packed + 64 * g), _MM_HINT_T0);
     if (!tail) return _mm512_loadu_si512(q + 64 * g);
     return _mm512_maskz_loadu_epi8((__mmask64{1} << (w.packed - 64 * g)) - 1, q + 64 * g);
   }
@@ -475,7 +485,7 @@ inline void DotRows(const PackedRows<Bits, T>& n, int64_t i, int64_t stride, con
                     float* dots) {
   constexpr int K = PackedRows<Bits, T>::kPerDword;
   typename QuantRows<Bits, T>::Row row[Rows];
-  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r * stride);
+  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r * stride), n.Prefetch(row[r]);
   const __m512* xs = reinterpret_cast<const __m512*>(x);
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
@@ -507,7 +517,7 @@ inline void AxpyRows(const PackedRows<Bits, T>& n, int64_t i, int64_t stride, co
                      Lanes<16>* out) {
   constexpr int K = PackedRows<Bits, T>::kPerDword;
   typename QuantRows<Bits, T>::Row row[Rows];
-  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r * stride);
+  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r * stride), n.Prefetch(row[r]);
   __m512* o = reinterpret_cast<__m512*>(out);
   auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
     __m512i low[Rows], high[Rows];
