@@ -21,7 +21,9 @@ runtimes/ort.py SharedCache, what `run` uses). Per K and thread count:
 - node counts of both targets, as exported and after onnxruntime's optimizations (the saved
   optimized model), with what remains.
 
-The machine is shared: every figure is a median over rounds that interleave what is compared.
+The machine is shared: every figure is a median over rounds that interleave what is compared,
+each sample after a 50 ms pause (`settle`) in which the previous session's pool threads stop
+spinning; within a sample the steps run back to back, as in a generation.
 Last, each of issue 16's targets for the onnxruntime target, met or not (also in the JSON,
 `goals_met`, which is rewritten atomically after each configuration).
 """

@@ -24,7 +24,8 @@ GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the co
 - with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
   decodes (report.memory), per precision, for both export targets.
 
-The machine may be shared: every figure is a median over interleaved rounds.
+The machine may be shared: every figure is a median over interleaved rounds, each sample after
+bench_decode's `settle` pause.
 """
 
 import argparse
