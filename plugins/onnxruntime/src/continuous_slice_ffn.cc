@@ -5,9 +5,9 @@
 //  * decode (few tokens): per token, the rows its windows cover are cut into fixed chunks; each
 //    chunk reads its w_in rows once, front to back (quantized rows on AVX-512: four runs of them
 //    side by side), for dot products, applies bias, GELU and coverage, then reads its w_out rows
-//    once the same way (into the chunk's partial output); partials are summed in chunk order. Parallel over chunks, so one token uses every thread; memory
-//    bound, so the inner loops work on whole registers of floats and nothing is converted or
-//    copied outside them.
+//    once the same way (into the chunk's partial output); partials are summed in chunk order.
+//    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
+//    on whole registers of floats and nothing is converted or copied outside them.
 //  * prefill (many tokens): tokens sorted by window position and grouped; per group, blocked
 //    GEMMs (Eigen) over the row ranges any of its tokens cover, weighted by coverage, split over
 //    fixed blocks of hidden units whose partial outputs are summed in block order. A block of
@@ -426,7 +426,7 @@ struct PackedRows {
     __m512 scales;
     if constexpr (sizeof(T) == 4) {
       switch (scales_per_group) {
-        case 2: scales = _mm512_castpd_ps(_mm512_zextpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(s)))); break;
+        case 2: scales = _mm512_castsi512_ps(_mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)))); break;
         case 4: scales = _mm512_zextps128_ps512(_mm_loadu_ps(s)); break;
         default: scales = _mm512_zextps256_ps512(_mm256_loadu_ps(s));  // 8
       }
