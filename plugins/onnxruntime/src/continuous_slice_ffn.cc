@@ -371,8 +371,9 @@ struct DecodeLayout {
 // masked into the mantissa of 2^23 (one vpternlogd) it is the float 2^23 + u 2^(Bits k'), and one
 // subtraction of 2^23 + 2^(Bits - 1 + Bits k') leaves q 2^(Bits k') exactly (k' = k mod half a
 // dword: the upper half is shifted down 16 bits once per group so that no field reaches bit 23).
-// The power of two is undone on the other factor: x is stored times 2^-(Bits k'), the output's
-// coefficient is scaled per k'. 3 instructions per 16 weights (ternlog, sub, FMA), spread over
+// The power of two is undone on the other factor: x is stored times 2^-(Bits k'), the partial
+// outputs are kept times 2^(Bits k') and scaled back once, in the final sum (powers of two:
+// exact). 3 instructions per 16 weights (ternlog, sub, FMA), spread over
 // the integer, add and FMA pipes; a vpermps lookup of the nibbles (shift, vpermps, FMA) measured the same.
 // So slot kPerDword g + k, lane l holds column 16 kPerDword g + kPerDword l + k (the layout of x
 // and of the partial outputs); lane l of group g lies in block (16 kPerDword g + kPerDword l) /
@@ -480,9 +481,9 @@ struct DecodeLayout<PackedRows<Bits, T>> {
   static float XScale(int64_t s) { return Rows::Unscale(s); }
 };
 
-// Rows [i, i + Rows) . x into dots, side by side: each x slot is loaded once for all of them and
-// the rows are independent chains (adjacent rows: one stream). The lanes are summed for all rows
-// at once at the end.
+// Rows i + r stride (r < Rows) . x into dots[r stride], side by side: each x slot is loaded once
+// for all of them and the rows are independent chains, each run its own stream. The lanes are
+// summed for all rows at once at the end.
 template <int Rows, int Bits, typename T>
 inline void DotRows(const PackedRows<Bits, T>& n, int64_t i, int64_t stride, const Lanes<16>* x, int64_t, int64_t,
                     float* dots) {
