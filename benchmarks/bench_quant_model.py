@@ -49,7 +49,7 @@ from bench_ort import BLOCK, MEDIUM_DENSE, SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import ExportedModel  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
 from infmoe_export.files import atomic_write  # noqa: E402
-from infmoe_export.model import InfMoEGPT, coverage  # noqa: E402
+from infmoe_export.model import InfMoEGPT  # noqa: E402
 from infmoe_export.report.bench import text_tokens  # noqa: E402
 from infmoe_export.report.memory import files_of, measure_child  # noqa: E402
 from infmoe_export.report.timing import environment, time_calls  # noqa: E402
@@ -92,7 +92,7 @@ def int8_activations(path: Path) -> Path:
     """A copy of an export whose MatMulNBits (attention, LM head) round their activations to int8:
     accuracy level 4, onnxruntime-genai's CPU default; off the level-1 reference by more than the
     float tolerances, so a deployment judges it at level 2 (docs/quantization.md). Its session
-    sets the same level for the attention that onnxruntime fuses (A8_OPTIONS)."""
+    sets the same level for the attention that onnxruntime fuses (a8_options)."""
     model = onnx.load(str(path))
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
