@@ -366,18 +366,31 @@ struct DecodeLayout {
 };
 
 #if defined(__AVX512F__)
-// Quantized rows on AVX-512, without shuffles or conversions per weight. A row's 64-byte group g
-// is 16 dwords of kPerDword = 32 / Bits stored values; value k of every dword is one register:
-// masked into the mantissa of 2^23 (one vpternlogd) it is the float 2^23 + u 2^(Bits k'), and one
-// subtraction of 2^23 + 2^(Bits - 1 + Bits k') leaves q 2^(Bits k') exactly (k' = k mod half a
-// dword: the upper half is shifted down 16 bits once per group so that no field reaches bit 23).
+// Quantized rows on AVX-512, without per-weight conversions. A row's 64-byte group g is 16 dwords
+// of kPerDword = 32 / Bits stored values; value k of every dword is one register, as the float
+// q 2^(Bits k') (k' = k mod half a dword: the upper half is shifted down 16 bits once per group).
+//  * int8: masked into the mantissa of 2^23 (one vpternlogd) the field is the float
+//    2^23 + u 2^(8 k'), and one subtraction of 2^23 + 2^(7 + 8 k') leaves q 2^(8 k') exactly.
+//  * int4: the field shifted down to the low 4 bits indexes a vpermps table of q 2^(4 k'): shift,
+//    vpermps, FMA. On Zen 4 integer and float vector ops share the four FP pipes, and vpternlogd
+//    overwrites an input (a register copy per use): the mask costs 4 vector ops per 16 weights,
+//    the table at most 3 (0.82-0.86x the time of a decode call, in cache and streamed).
 // The power of two is undone on the other factor: x is stored times 2^-(Bits k'), the partial
 // outputs are kept times 2^(Bits k') and scaled back once, in the final sum (powers of two:
-// exact). 3 instructions per 16 weights (ternlog, sub, FMA), spread over
-// the integer, add and FMA pipes; a vpermps lookup of the nibbles (shift, vpermps, FMA) measured the same.
-// So slot kPerDword g + k, lane l holds column 16 kPerDword g + kPerDword l + k (the layout of x
+// exact). So slot kPerDword g + k, lane l holds column 16 kPerDword g + kPerDword l + k (the layout of x
 // and of the partial outputs); lane l of group g lies in block (16 kPerDword g + kPerDword l) /
 // block_size, and ScaleLanes gives each lane its scale.
+// kNibbles[k'][u] = (u - 8) 2^(4 k'): int4's q 2^(4 k') by stored nibble u (exact floats).
+struct NibbleTables {
+  alignas(64) float q[4][16];
+  constexpr NibbleTables() : q{} {
+    for (int k = 0; k < 4; ++k)
+      for (int u = 0; u < 16; ++u) q[k][u] = static_cast<float>((u - 8) * (1 << (4 * k)));
+  }
+};
+constexpr NibbleTables kNibbleTables;
+constexpr const auto& kNibbles = kNibbleTables.q;
+
 template <int Bits, typename T>
 struct PackedRows {
   static constexpr int kWidth = 16;
@@ -450,6 +463,10 @@ struct PackedRows {
   // q 2^(Bits k') of value k of every dword, from the group's bytes (low) and them >> 16 (high).
   static __m512 Q(__m512i low, __m512i high, int k) {
     const int shift = Bits * (k % kHalf);
+    if constexpr (Bits == 4) {  // vpermps reads each lane's low 4 bits: the nibble, once shifted down
+      const __m512i nibble = k < kHalf ? low : high;
+      return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(nibble, shift) : nibble, _mm512_load_ps(kNibbles[k % kHalf]));
+    }
     const __m512i field = _mm512_set1_epi32(((1 << Bits) - 1) << shift);
     const __m512i magic = _mm512_set1_epi32(0x4B000000);  // 2^23
     const __m512 offset = _mm512_set1_ps(8388608.0f + static_cast<float>(1 << (Bits - 1 + shift)));
