@@ -106,6 +106,37 @@ def test_matches_level_1_reference(library, lead, d, h, r, k, windows, block, bi
     assert relative_error(y, reference(feeds, r, bits, block)) <= tolerance, f"seed {SEED}"
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("scale", ["tiny", "huge", "spread"])
+def test_decode_activations_of_any_magnitude(library, bits, scale):
+    """AVX-512 decode multiplies int4 rows by x as integers, scaled per 8 columns by a power of two
+    (docs/onnxruntime-kernel.md): x of 1e-30 or 1e30 times the usual, and x spanning 12 orders of
+    magnitude within every 8 columns, stay within the float tolerance."""
+    rng = np.random.default_rng([SEED, 3, bits])
+    feeds = make_feeds(rng, (2,), 301, 211, 50, 2, bits, 32)
+    factor = {"tiny": 1e-30, "huge": 1e30, "spread": 10.0 ** rng.uniform(-6, 6, feeds["X"].shape)}[scale]
+    feeds["X"] = (feeds["X"] * factor).astype(np.float32)
+    if scale != "spread":  # keep the biases from hiding x's share of the result
+        feeds["b_in"] *= np.float32(factor)
+        feeds["b_out"] *= np.float32(factor)
+    y = session(q_model(50, (bits, 32))).run(None, feeds)[0]
+    assert relative_error(y, reference(feeds, 50, bits, 32)) <= 1e-5, f"seed {SEED}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_decode_non_finite_x_gives_a_non_finite_row(library, bits, bad):
+    """A NaN or infinite activation reaches the token's output, as in the float reference, and
+    leaves the other token alone."""
+    rng = np.random.default_rng([SEED, 4, bits])
+    feeds = make_feeds(rng, (2,), 301, 211, 50, 2, bits, 32)
+    feeds["X"][0, 77] = bad
+    y = session(q_model(50, (bits, 32))).run(None, feeds)[0]
+    ref = reference(feeds, 50, bits, 32)
+    assert not np.isfinite(y[0]).any() and not np.isfinite(ref[0]).any()
+    assert relative_error(y[1:], ref[1:]) <= 1e-5, f"seed {SEED}"
+
+
 def test_nibble_order_matters(library):
     """A planted swap of the nibbles (odd column in the low one) must change the answer."""
     rng = np.random.default_rng([SEED, 1])

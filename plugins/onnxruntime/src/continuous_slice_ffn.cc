@@ -27,6 +27,7 @@
 #include <arm_neon.h>
 #endif
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -363,9 +364,10 @@ struct DecodeLayout {
   static int64_t Slots(int64_t d) { return (d + Format::kWidth - 1) / Format::kWidth; }
   static int64_t Column(int64_t s, int l) { return s * Format::kWidth + l; }
   static float XScale(int64_t) { return 1.0f; }
+  static constexpr bool kIntegerDot = false;  // x is slot(x, u) * XScale(u); else Layout::PackX
 };
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // Quantized rows on AVX-512, without per-weight conversions. A row's 64-byte group g is 16 dwords
 // of kPerDword = 32 / Bits stored values; value k of every dword is one register, as the float
 // q 2^(Bits k') (k' = k mod half a dword: the upper half is shifted down 16 bits once per group).
@@ -496,6 +498,50 @@ struct DecodeLayout<PackedRows<Bits, T>> {
     return s / Rows::kPerDword * Rows::kGroupColumns + Rows::kPerDword * l + s % Rows::kPerDword;
   }
   static float XScale(int64_t s) { return Rows::Unscale(s); }
+
+  // int4 dot products in integers (AVX512-VNNI vpdpbusd: 64 byte products an instruction, where
+  // the float loop makes 16 per FMA and needs a lookup per 16 weights). Per group g and lane l,
+  // the lane's 8 columns c = 128 g + 8 l + j become integers X_c = x_c 2^-E, rounded (E per lane:
+  // the largest |x| of the 8 maps to [2^21, 2^22), so |X| < 2^22 and each x moves by at most
+  // 2^-22 of that largest, against the float loop's 2^-24 of each product; E >= -149), split
+  // exactly into signed bytes X = a 2^16 + b 2^8 + c (|a| <= 64). The unsigned nibbles u = q + 8
+  // times the bytes, summed per lane in int32 (below 2^30: no overflow), less the offset 8 sum X,
+  // times 2^E as a float, then by the block scale: the lane's q . x with one rounding. A lane
+  // holding a non-finite x gets 2^E = NaN, so its rows' dots are NaN.
+  // Slots 8 g .. 8 g + 7: byte b of lane l of slot 8 g + i (i < 3) is byte i of X at column
+  // 8 l + 2 b (low nibble), of slot 8 g + 3 + i at 8 l + 2 b + 1 (high nibble); slot 8 g + 6: the
+  // offsets (int32), 8 g + 7: 2^E (float).
+  static constexpr bool kIntegerDot = Bits == 4;
+  static void PackX(const float* x, int64_t groups, Lanes<16>* slots) {  // x: zero past d, to 128 groups
+    const __m512i columns = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+    const __m512i byte = _mm512_set1_epi32(255), half = _mm512_set1_epi32(128);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 v[8], largest = _mm512_setzero_ps();
+      __mmask16 finite = 0xFFFF;
+      for (int j = 0; j < 8; ++j) {
+        v[j] = _mm512_i32gather_ps(_mm512_add_epi32(columns, _mm512_set1_epi32(j)), x + 128 * g, 4);
+        const __m512 magnitude = _mm512_abs_ps(v[j]);
+        finite &= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);  // false for NaN too
+        largest = _mm512_max_ps(largest, magnitude);
+      }
+      const __m512 e = _mm512_max_ps(_mm512_sub_ps(_mm512_getexp_ps(largest), _mm512_set1_ps(21.0f)), _mm512_set1_ps(-149.0f));
+      __m512i limbs[6] = {}, offset = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        __m512i rest = _mm512_maskz_cvtps_epi32(finite, _mm512_scalef_ps(v[j], _mm512_sub_ps(_mm512_setzero_ps(), e)));
+        offset = _mm512_add_epi32(offset, rest);
+        for (int i = 0; i < 3; ++i) {
+          const __m512i digit = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(rest, half), byte), half);  // in [-128, 128)
+          rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, digit), 8);  // exact
+          __m512i& limb = limbs[3 * (j & 1) + i];
+          limb = _mm512_or_si512(limb, _mm512_slli_epi32(_mm512_and_si512(digit, byte), 8 * (j / 2)));
+        }
+      }
+      Lanes<16>* out = slots + 8 * g;
+      for (int i = 0; i < 6; ++i) _mm512_store_si512(out + i, limbs[i]);
+      _mm512_store_si512(out + 6, _mm512_slli_epi32(offset, 3));
+      _mm512_store_ps(out + 7, _mm512_mask_blend_ps(finite, _mm512_set1_ps(NAN), _mm512_scalef_ps(_mm512_set1_ps(1.0f), e)));
+    }
+  }
 };
 
 // Rows i + r stride (r < Rows) . x into dots[r stride], side by side: each x slot is loaded once
@@ -523,6 +569,37 @@ inline void DotRows(const PackedRows<Bits, T>& n, int64_t i, int64_t stride, con
       }
     }
     for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(p[r], n.ScaleLanes(row[r].scale, g, tail), acc[r]);
+  };
+  int64_t g = 0;
+  for (; g < n.full_groups; ++g) group(g, false);
+  if (g < n.groups) group(g, true);
+  for (int r = 0; r < Rows; ++r) dots[r * stride] = SumLanes<16>(reinterpret_cast<Lanes<16>>(acc[r]));
+}
+
+// int4: the same in integers (DecodeLayout::PackX above has how): per group and row, the nibbles
+// times x's three bytes with six vpdpbusd, the bytes' weights applied by shifts in between.
+template <int Rows, typename T>
+inline void DotRows(const PackedRows<4, T>& n, int64_t i, int64_t stride, const Lanes<16>* x, int64_t, int64_t,
+                    float* dots) {
+  typename QuantRows<4, T>::Row row[Rows];
+  for (int r = 0; r < Rows; ++r) row[r] = n.w.At(i + r * stride), n.Prefetch(row[r]);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
+    const Lanes<16>* xg = x + 8 * g;
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i bytes = n.Bytes(row[r].q, g, tail);
+      const __m512i low = _mm512_and_si512(bytes, nibble), high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 2; i >= 0; --i) {
+        if (i < 2) sum = _mm512_slli_epi32(sum, 8);
+        sum = _mm512_dpbusd_epi32(sum, low, _mm512_load_si512(xg + i));
+        sum = _mm512_dpbusd_epi32(sum, high, _mm512_load_si512(xg + 3 + i));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_load_si512(xg + 6)));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_load_ps(xg + 7)), n.ScaleLanes(row[r].scale, g, tail), acc[r]);
+    }
   };
   int64_t g = 0;
   for (; g < n.full_groups; ++g) group(g, false);
@@ -600,7 +677,13 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
       for (int64_t j = 0; j < n; ++j) chunks.push_back({t, run.lo + length * j / n, run.lo + length * (j + 1) / n});
     }
     first_chunk[t + 1] = chunks.size();
-    for (int64_t u = 0; u < units; ++u) xs[t * units + u] = slot(x + t * s.d, u) * Layout::XScale(u);
+    if constexpr (Layout::kIntegerDot) {
+      std::vector<float> padded(units * W, 0.0f);
+      for (int64_t c = 0; c < s.d; ++c) padded[c] = ToFloat(x[t * s.d + c]);
+      Layout::PackX(padded.data(), units / Rows::kPerDword, &xs[t * units]);
+    } else {
+      for (int64_t u = 0; u < units; ++u) xs[t * units + u] = slot(x + t * s.d, u) * Layout::XScale(u);
+    }
   }
 
   // Every chunk writes its whole partial: no zeroing here (a memset of all of them per call).

@@ -56,7 +56,8 @@ struct Variant {
   {#name, name::Run<float>, name::Run<uint16_t>, name::RunQuantized<float>, name::RunQuantized<uint16_t>}
 
 // Widest first. x86-64-v3 is AVX2 + FMA + F16C + BMI1/2 + LZCNT + MOVBE, x86-64-v4 adds
-// AVX-512 F/BW/CD/DQ/VL: exactly the -march levels the variants are compiled for. libgcc's
+// AVX-512 F/BW/CD/DQ/VL; the avx512 variant also uses AVX512-VNNI (a Skylake-X without it runs
+// avx2): exactly the flags the variants are compiled with. libgcc's
 // check includes the OS's support for the wider registers (XGETBV).
 Variant Choose() {
   const Variant variants[] = {
@@ -71,7 +72,8 @@ Variant Choose() {
   auto supported = [](const char* name) {
 #if defined(__x86_64__) && (defined(INFMOE_HAVE_AVX2) || defined(INFMOE_HAVE_AVX512))
     __builtin_cpu_init();
-    if (std::strcmp(name, "avx512") == 0) return __builtin_cpu_supports("x86-64-v4") != 0;
+    if (std::strcmp(name, "avx512") == 0)
+      return __builtin_cpu_supports("x86-64-v4") != 0 && __builtin_cpu_supports("avx512vnni") != 0;
     if (std::strcmp(name, "avx2") == 0) return __builtin_cpu_supports("x86-64-v3") != 0;
 #endif
     return std::strcmp(name, "baseline") == 0;
