@@ -512,7 +512,8 @@ struct DecodeLayout<PackedRows<Bits, T>> {
   // 8 l + 2 b (low nibble), of slot 8 g + 3 + i at 8 l + 2 b + 1 (high nibble); slot 8 g + 6: the
   // offsets (int32), 8 g + 7: 2^E (float).
   static constexpr bool kIntegerDot = Bits == 4;
-  static void PackX(const float* x, int64_t groups, Lanes<16>* slots) {  // x: zero past d, to 128 groups
+  // x: a token's d floats, zero-padded to whole groups of 128.
+  static void PackX(const float* x, int64_t groups, Lanes<16>* slots) {
     const __m512i columns = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
     const __m512i byte = _mm512_set1_epi32(255), half = _mm512_set1_epi32(128);
     for (int64_t g = 0; g < groups; ++g) {
