@@ -236,6 +236,17 @@ def load_graph(path: Union[str, os.PathLike]) -> "onnx.ModelProto":
         raise InfMoEError(f"{path} is not a readable ONNX model ({type(error).__name__})") from None
 
 
+def custom_op_types(nodes) -> set:
+    """The infmoe ops a graph's nodes use."""
+    return {n.op_type for n in nodes if n.domain == DOMAIN}
+
+
+def holds_functions(nodes, functions) -> bool:
+    """Whether the graph uses infmoe ops and holds the fallback function of every one."""
+    used = custom_op_types(nodes)
+    return bool(used) and used <= {f.name for f in functions if f.domain == DOMAIN}
+
+
 def custom_op_type(nodes) -> str:
     """The custom op a graph's nodes use: the quantized one (SPEC §6) when any node is."""
     return Q_OP_TYPE if any(n.domain == DOMAIN and n.op_type == Q_OP_TYPE for n in nodes) else OP_TYPE
@@ -269,8 +280,7 @@ class ExportedModel:
         metadata = {p.key: p.value for p in graph.metadata_props}
         if "infmoe.config" not in metadata:
             metadata = folder_metadata(path) or metadata
-        op_type = custom_op_type(graph.graph.node)
-        has_function = any(f.domain == DOMAIN and f.name == op_type for f in graph.functions)
+        has_function = holds_functions(graph.graph.node, graph.functions)
         if metadata.get("infmoe.has_function") == "1" and not has_function:
             # e.g. saved by an onnxruntime session that had the kernel: the op stayed, the function went
             metadata = {**metadata, "infmoe.has_function": "0", "infmoe.function_dropped": "1"}

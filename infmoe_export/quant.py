@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK_SIZE = 32
 Q_OP_TYPE = "QContinuousSliceFFN"
+QMATMUL_OP_TYPE = "QMatMul"
 
 
 def qmax(bits: int) -> int:
@@ -90,6 +91,22 @@ def unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
         low, high = (packed & 0x0F).to(torch.int16), (packed >> 4).to(torch.int16)
         stored = torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)[:, :d]
     return (stored - 2 ** (bits - 1)).to(torch.int8)
+
+
+def pack_blocks(q: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """Signed q [N, K] -> the storage of `infmoe::QMatMul` and of onnxruntime's MatMulNBits,
+    [N, ceil(K / B), B * bits / 8]: SPEC §6's, each row padded with q = 0 to whole blocks."""
+    n, k = q.shape
+    padded = torch.nn.functional.pad(q, (0, n_blocks(k, block_size) * block_size - k))
+    return pack(padded, bits).reshape(n, n_blocks(k, block_size), -1)
+
+
+def q_matmul(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """`infmoe::QMatMul` (docs/onnxruntime-kernel.md): a [..., K] times w'^T, w' [N, K] the
+    dequantized weight of pack_blocks' storage."""
+    n, blocks, _ = packed.shape
+    q = unpack(packed.reshape(n, -1), bits, blocks * block_size)[:, :a.shape[-1]]
+    return a @ dequantize(q, scale, block_size, a.dtype).T
 
 
 class QuantizedWeight(NamedTuple):

@@ -178,16 +178,21 @@ def test_dense_model_quantizes_its_experts_with_dequantize_linear(make_model, tm
 
 
 @pytest.mark.parametrize("other", ["int4", "int8"])
-def test_onnxruntime_target_reads_the_tied_embedding_packed(make_model, tmp_path, other):
-    """GatherBlockQuantized and MatMulNBits on one packed wte (D 24 at block 16: a padded block)."""
+def test_onnxruntime_target_reads_quantized_matrices_packed(make_model, tmp_path, other, library):
+    """GatherBlockQuantized and QMatMul on one packed wte, QMatMul for attention (D 24 at block 16:
+    a padded block); level 1 with our kernel and through QMatMul's function (MatMulNBits)."""
     model = make_model(d_model=24)  # head_dim 8, as GroupQueryAttention needs
     exported = export_onnx(model, tmp_path / "m.onnx", dtype="int4", block_size=16, quantize_other=other,
                            target="onnxruntime")
     graph = onnx.load(str(exported.path))
     ops = [n.op_type for n in graph.graph.node]
-    assert ops.count("GatherBlockQuantized") == 1 and ops.count("MatMulNBits") == 1
-    assert not {n.output[0] for n in graph.graph.node if n.op_type == "DequantizeLinear"} & {"wte.weight", "wte.weight.T"}
+    layers = model.config.n_layer
+    assert ops.count("GatherBlockQuantized") == 1 and ops.count("QMatMul") == 2 * layers + 1
+    assert "DequantizeLinear" not in ops and "MatMulNBits" not in ops
     assert not {"wte.weight", "wte.weight.T"} & {t.name for t in graph.graph.initializer}
+    assert {f.name for f in graph.functions} == {"ContinuousSliceFFN", "QContinuousSliceFFN", "QMatMul"}
+    assert exported.has_function
+    assert validate_onnx(model, exported, kernel=True).passed
     assert validate_onnx(model, exported, kernel=False).passed
 
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from ..contract import BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel
+from ..contract import (BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel,
+                        custom_op_types)
 from ..errors import InfMoEError
 from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
@@ -370,9 +371,10 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     if target == "onnxruntime":
         finish_ort_graph(onnx_model.graph)
     onnx_model.graph.sort()
-    has_function = function and not config.is_dense  # a dense model has no custom op to fall back from
+    op_types = custom_op_types(onnx_model.graph)  # none in a dense model, unless QMatMul
+    has_function = function and bool(op_types)
     if has_function:
-        for fn in ir_functions(opset, Q_OP_TYPE if decoder_io.bits else OP_TYPE):
+        for fn in ir_functions(opset, op_types):
             onnx_model.functions[fn.identifier()] = fn
     metadata = decoder_io.metadata(opset, has_function)
     onnx_model.metadata_props.update(metadata)

@@ -17,6 +17,10 @@ expert matrices in one pass (stacked, so the dequantization is written once) and
 the first: its numbers are the float function's on w', and its invalid input gives NaN too
 (bits, block_size, storage and scale shapes), except w_in's and w_out's storage or scales of
 different widths, which cannot be stacked: onnxruntime fails there, as for unbroadcastable shapes.
+
+`infmoe::QMatMul` (the onnxruntime target's quantized attention and LM head, docs/quantization.md)
+has onnxruntime's own MatMulNBits as its body: same inputs, attributes and storage, so an
+onnxruntime without our kernel runs exactly the node it would have run without the op.
 """
 
 import math
@@ -29,9 +33,10 @@ from onnxscript import opset18 as op
 
 from ..contract import DOMAIN, OP_TYPE, OP_VERSION
 from ..model import GELU_TANH_C, GELU_TANH_CUBIC
-from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE
+from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QMATMUL_OP_TYPE
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
+contrib = values.Opset("com.microsoft", 1)
 
 _NAN = math.nan
 
@@ -133,14 +138,23 @@ def QContinuousSliceFFN(X, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scal
     return Y + penalty
 
 
-FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN)}
+@script(infmoe, default_opset=op)
+def QMatMul(A, B, scales, K: int, N: int, bits: int, block_size: int):
+    return contrib.MatMulNBits(A, B, scales, K=K, N=N, bits=bits, block_size=block_size)
 
 
-def ir_functions(opset: int, op_type: str = OP_TYPE) -> list:
-    """The functions a model of this opset needs for op_type (the quantized one calls the float
-    one), as onnx_ir Functions (the checker wants a function's default opset to match the
-    model's; every op here means the same from 18 on, later opsets only add types)."""
-    functions = [ir.serde.deserialize_function(f.to_function_proto()) for f in FUNCTIONS[op_type]]
+FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN),
+             QMATMUL_OP_TYPE: (QMatMul,)}
+
+
+def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
+    """The functions a model of this opset needs for its infmoe op_types (the quantized expert
+    op calls the float one), as onnx_ir Functions (the checker wants a function's default opset
+    to match the model's; every op here means the same from 18 on, later opsets only add types)."""
+    needed = {}
+    for op_type in sorted(op_types):
+        needed.update({f.name: f for f in FUNCTIONS[op_type]})
+    functions = [ir.serde.deserialize_function(f.to_function_proto()) for f in needed.values()]
     for function in functions:
         function.opset_imports[""] = opset
     return functions
@@ -166,4 +180,18 @@ def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_t
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
     functions = [f.to_function_proto() for f in FUNCTIONS[op_type]] if with_function else []
     # IR 10 is read by every onnxruntime this project supports (>= 1.20).
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+
+
+def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "float32", with_function: bool = False):
+    """A one-node model of `infmoe::QMatMul` (inputs A, B, scales of free shape): tests, fuzzing,
+    benchmarks; with_function attaches its fallback (MatMulNBits)."""
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    inputs = [helper.make_tensor_value_info("A", elem, None), helper.make_tensor_value_info("B", TensorProto.UINT8, None),
+              helper.make_tensor_value_info("scales", elem, None)]
+    node = helper.make_node(QMATMUL_OP_TYPE, ["A", "B", "scales"], ["Y"], domain=DOMAIN, K=k, N=n, bits=bits,
+                            block_size=block_size)
+    graph = helper.make_graph([node], "q_matmul", inputs, [helper.make_tensor_value_info("Y", elem, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
+    functions = [QMatMul.to_function_proto()] if with_function else []
     return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Union
 import onnx
 import onnx_ir as ir
 
-from ..contract import DOMAIN, OP_TYPE, DecoderIO, custom_op_type, folder_metadata, load_graph
+from ..contract import DOMAIN, OP_TYPE, DecoderIO, custom_op_types, folder_metadata, holds_functions, load_graph
 from ..quant import Q_OP_TYPE
 from ..errors import InfMoEError
 from .exporter import save_model
@@ -98,7 +98,7 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
     if source != "missing":
         decoder_io = DecoderIO.from_metadata(metadata)
     op_nodes = sum(1 for node in graph.node if node.domain == DOMAIN and node.op_type in (OP_TYPE, Q_OP_TYPE))
-    has_function = any(f.domain == DOMAIN and f.name == custom_op_type(graph.node) for f in proto.functions)
+    has_function = holds_functions(graph.node, proto.functions)
     claims = metadata.get("infmoe.has_function") == "1"
     unnamed = [t.name for t in graph.initializer
                if (t.name.startswith("val_") or t.name.startswith("onnx::")) and _numel(t) > 1]
@@ -117,7 +117,7 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
     elif source == "config.json":
         found.problems.append(f"the model's metadata was dropped (e.g. by a graph-surgeon round trip); recovered "
                               f"from config.json beside it. Write it back into the file: {fix}")
-    if op_nodes and not has_function:
+    if custom_op_types(graph.node) and not has_function:
         if claims:
             found.problems.append("the metadata says the model has the fallback function but the file does not "
                                   "(saved by an onnxruntime session that had the kernel?); without the kernel it "
@@ -162,10 +162,10 @@ def repair_model(path: Union[str, os.PathLike], out: Union[str, os.PathLike]) ->
         done.append("restored the metadata from config.json")
     metadata = dict(found.metadata)
     metadata.pop("infmoe.function_dropped", None)
-    added = bool(found.op_nodes and not found.has_function)
+    added = bool(custom_op_types(model.graph) and not found.has_function)
     if added:
         opset = model.opset_imports.get("", 18)
-        for function in ir_functions(opset, custom_op_type(model.graph)):
+        for function in ir_functions(opset, custom_op_types(model.graph)):
             model.functions[function.identifier()] = function
         model.opset_imports.setdefault(DOMAIN, 1)
         done.append(f"added the fallback function (opset {opset})")

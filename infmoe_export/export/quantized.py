@@ -11,8 +11,10 @@ quant.py's w' and the graph is otherwise the float graph.
 onnxruntime fuses DequantizeLinear + MatMul into MatMulNBits (attention), but not the tied
 embedding: its Gather and the LM head's Transpose + MatMul dequantize all of wte on every run
 (357 ms a decode step at V = 50257 where float32 takes 26, docs/quantization.md). The
-onnxruntime target therefore stores wte once in MatMulNBits' layout and reads it with
-com.microsoft GatherBlockQuantized (embedding) and MatMulNBits (LM head): same w', 13 ms.
+onnxruntime target therefore stores each such matrix once in MatMulNBits' layout and reads it
+with infmoe::QMatMul (every MatMul: attention and the LM head; its fallback function is
+MatMulNBits itself, our kernel reads at 2.3x MatMulNBits' speed) and com.microsoft
+GatherBlockQuantized (the embedding): same w'.
 """
 
 from typing import Dict, Optional
@@ -22,9 +24,9 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from ..contract import DecoderIO
+from ..contract import DOMAIN, OP_VERSION, DecoderIO
 from ..errors import InfMoEError
-from ..quant import n_blocks, pack, quantize, quantized_tensors
+from ..quant import QMATMUL_OP_TYPE, n_blocks, pack_blocks, quantize, quantized_tensors
 
 # DequantizeLinear takes block_size and INT4 from opset 21 on.
 QDQ_OPSET = 21
@@ -59,8 +61,8 @@ def insert_dequantize(graph: ir.Graph, weights: Dict[str, torch.Tensor], decoder
     block = decoder_io.block_size
     for name, bits in qdq_matrices(decoder_io).items():
         q, scale = quantize(weights[name], bits, block)
-        if name == "wte.weight" and decoder_io.target == "onnxruntime":
-            _contrib_embedding(graph, q, scale, bits, block)
+        if decoder_io.target == "onnxruntime":
+            _onnxruntime_readers(graph, name, q, scale, bits, block)
         for stored, transposed in ((name, False), (f"{name}.T", True)):
             value = graph.initializers.get(stored)
             if value is None:
@@ -87,16 +89,22 @@ def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
-def _contrib_embedding(graph: ir.Graph, q: torch.Tensor, scale: torch.Tensor, bits: int, block: int):
-    """The onnxruntime target's tied embedding (module doc): wte's readers that are a Gather or
-    the LM head's MatMul (on wte.weight.T, or on Transpose(wte.weight)) read one packed copy,
-    SPEC §6's storage padded with q = 0 to whole blocks: [V, blocks, bytes per block]."""
-    vocab, d = q.shape
+def _onnxruntime_readers(graph: ir.Graph, name: str, q: torch.Tensor, scale: torch.Tensor, bits: int, block: int):
+    """The onnxruntime target's readers of a quantized matrix (module doc) take one packed copy,
+    [rows, blocks, bytes per block] (quant.pack_blocks): every MatMul of it (on '<name>.T', or on
+    Transpose(name): the input dimension is the blocked one) becomes infmoe::QMatMul, the tied
+    embedding's Gather com.microsoft GatherBlockQuantized. Other readers keep their QDQ."""
+    rows, d = q.shape
     blocks = n_blocks(d, block)
-    padded = torch.nn.functional.pad(q, (0, blocks * block - d))
-    packed = _initializer(graph, "wte.weight_packed", pack(padded, bits).reshape(vocab, blocks, -1).numpy())
-    scales = _initializer(graph, "wte.weight_packed_scale", scale.numpy())
-    graph.opset_imports.setdefault(MS_DOMAIN, 1)
+    module = name.rsplit(".", 1)[0]  # node names as the exporter's: /wte/..., /h.0.attn.qkv/...
+    made = {}
+
+    def storage():
+        if not made:
+            made["packed"] = _initializer(graph, f"{name}_packed", pack_blocks(q, bits, block).numpy())
+            made["scales"] = _initializer(graph, f"{name}_packed_scale", scale.numpy())
+        return made["packed"], made["scales"]
+
     quantized = [ir.AttrInt64("bits", bits), ir.AttrInt64("block_size", block)]
 
     def replace(node: ir.Node, new_nodes: list):
@@ -107,29 +115,32 @@ def _contrib_embedding(graph: ir.Graph, q: torch.Tensor, scale: torch.Tensor, bi
         graph.remove(node, safe=True)
         new.name = old.name
 
-    def head(matmul: ir.Node):
-        replace(matmul, [ir.Node(MS_DOMAIN, "MatMulNBits", [matmul.inputs[0], packed, scales], name="/lm_head/MatMulNBits",
-                                 attributes=[ir.AttrInt64("K", d), ir.AttrInt64("N", vocab), *quantized])])
+    def matmul(node: ir.Node):
+        graph.opset_imports.setdefault(DOMAIN, OP_VERSION)
+        replace(node, [ir.Node(DOMAIN, QMATMUL_OP_TYPE, [node.inputs[0], *storage()], name=node.name,
+                               attributes=[ir.AttrInt64("K", d), ir.AttrInt64("N", rows), *quantized])])
 
-    wte, wte_t = graph.initializers.get("wte.weight"), graph.initializers.get("wte.weight.T")
-    for node, index in list(wte.uses()) if wte is not None else ():
+    weight, transposed = graph.initializers.get(name), graph.initializers.get(f"{name}.T")
+    for node, index in list(weight.uses()) if weight is not None else ():
         if node.op_type == "Gather" and index == 0 and node.attributes.get_int("axis", 0) == 0:
-            rows = _initializer(graph, "wte.weight_packed_rows", np.array([vocab, packed.shape[1] * packed.shape[2]]))
-            flat = ir.Node("", "Reshape", [packed, rows], name="/wte/Reshape")
+            packed, scales = storage()
+            shape = _initializer(graph, f"{name}_packed_rows", np.array([rows, packed.shape[1] * packed.shape[2]]))
+            flat = ir.Node("", "Reshape", [packed, shape], name=f"/{module}/Reshape")
             gather = ir.Node(MS_DOMAIN, "GatherBlockQuantized", [flat.outputs[0], node.inputs[1], scales],
-                             name="/wte/GatherBlockQuantized",
+                             name=f"/{module}/GatherBlockQuantized",
                              attributes=[ir.AttrInt64("gather_axis", 0), ir.AttrInt64("quantize_axis", 1), *quantized])
+            graph.opset_imports.setdefault(MS_DOMAIN, 1)
             new_nodes = [flat, gather]
             if blocks * block != d:  # the padding columns
-                ends = _initializer(graph, "wte.weight_columns", np.array([d]))
-                starts = _initializer(graph, "wte.weight_column_0", np.array([0]))
-                axes = _initializer(graph, "wte.weight_last_axis", np.array([-1]))
-                new_nodes.append(ir.Node("", "Slice", [gather.outputs[0], starts, ends, axes], name="/wte/Slice"))
+                ends = _initializer(graph, f"{name}_columns", np.array([d]))
+                starts = _initializer(graph, f"{name}_column_0", np.array([0]))
+                axes = _initializer(graph, f"{name}_last_axis", np.array([-1]))
+                new_nodes.append(ir.Node("", "Slice", [gather.outputs[0], starts, ends, axes], name=f"/{module}/Slice"))
             replace(node, new_nodes)
         elif node.op_type == "Transpose" and all(use.op_type == "MatMul" and i == 1 for use, i in node.outputs[0].uses()):
-            for matmul, _ in list(node.outputs[0].uses()):
-                head(matmul)
+            for use, _ in list(node.outputs[0].uses()):
+                matmul(use)
             graph.remove(node, safe=True)
-    for matmul, index in list(wte_t.uses()) if wte_t is not None else ():
-        if matmul.op_type == "MatMul" and index == 1:
-            head(matmul)
+    for node, index in list(transposed.uses()) if transposed is not None else ():
+        if node.op_type == "MatMul" and index == 1:
+            matmul(node)

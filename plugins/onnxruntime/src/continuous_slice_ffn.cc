@@ -173,7 +173,8 @@ struct FloatRows {
 };
 
 // A quantized [h, d] matrix (SPEC §6): unsigned storage with offset 2^(bits-1), int4 two columns
-// per byte (even column in the low nibble), one scale per block of block_size columns.
+// per byte (even column in the low nibble), one scale per block of block_size columns. Rows lie
+// `stride` bytes apart: `packed` (SPEC §6), or more for QMatMul's rows padded to whole blocks.
 template <int Bits, typename T>
 struct QuantRows {
   static constexpr int kWidth = kWide;
@@ -183,17 +184,17 @@ struct QuantRows {
   };
   const uint8_t* q;
   const T* scale;
-  int64_t d, packed, blocks;
+  int64_t d, packed, blocks, stride;
   int block_shift;  // log2(block_size / kWidth): a unit never straddles two blocks (B >= 16 >= kWidth, powers of two)
 
-  QuantRows(const QuantizedMatrix<T>& m, int64_t d_, int64_t block_size)
+  QuantRows(const QuantizedMatrix<T>& m, int64_t d_, int64_t block_size, int64_t stride_ = 0)
       : q(m.packed), scale(m.scale), d(d_), packed(Bits == 8 ? d_ : (d_ + 1) / 2),
-        blocks((d_ + block_size - 1) / block_size), block_shift(0) {
+        blocks((d_ + block_size - 1) / block_size), stride(stride_ ? stride_ : packed), block_shift(0) {
     while ((int64_t{kWidth} << block_shift) < block_size) ++block_shift;
   }
-  Row At(int64_t i) const { return {q + i * packed, scale + i * blocks}; }
+  Row At(int64_t i) const { return {q + i * stride, scale + i * blocks}; }
   float Scale(Row row, int64_t b) const { return ToFloat(row.scale[b]); }
-  int64_t RowBytes() const { return packed + blocks * static_cast<int64_t>(sizeof(T)); }
+  int64_t RowBytes() const { return stride + blocks * static_cast<int64_t>(sizeof(T)); }
 
   // The signed q of the unit, exact as floats.
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const {
@@ -423,7 +424,7 @@ struct PackedRows {
   // Group g's 64 packed bytes; in the partial last group (tail) nothing past the row's end is
   // read: zero bytes.
   __m512i Bytes(const uint8_t* q, int64_t g, bool tail) const {
-    _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.packed + 64 * g), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.stride + 64 * g), _MM_HINT_T0);
     if (!tail) return _mm512_loadu_si512(q + 64 * g);
     return _mm512_maskz_loadu_epi8((__mmask64{1} << (w.packed - 64 * g)) - 1, q + 64 * g);
   }
@@ -638,6 +639,51 @@ inline void AxpyRows(const PackedRows<Bits, T>& n, int64_t i, int64_t stride, co
 }
 #endif
 
+// Slot u of d values v in the decode layout of Rows, v read as Format's element type (zero at
+// padding).
+template <class Rows, class Format, typename T>
+Lanes<Rows::kWidth> Slot(const T* v, int64_t d, int64_t u) {
+  constexpr int W = Rows::kWidth;
+  if constexpr (std::is_same_v<Rows, Format>) return LoadLanes<W>(v, u, u < d / W ? W : d % W);
+  Lanes<W> out;
+  for (int l = 0; l < W; ++l) {
+    const int64_t column = DecodeLayout<Rows>::Column(u, l);
+    out[l] = column < d ? ToFloat(v[column]) : 0.0f;
+  }
+  return out;
+}
+
+// The tokens of x [tokens, d] in the decode layout of Rows, Layout::Slots(d) slots a token: the
+// integers of Layout::PackX, or the floats times XScale.
+template <class Rows, class Format, typename T>
+std::vector<Lanes<Rows::kWidth>> DecodeX(const T* x, int64_t tokens, int64_t d) {
+  using Layout = DecodeLayout<Rows>;
+  constexpr int W = Rows::kWidth;
+  const int64_t units = Layout::Slots(d);
+  std::vector<Lanes<W>> xs(tokens * units);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if constexpr (Layout::kIntegerDot) {
+      std::vector<float> padded(units * W, 0.0f);
+      for (int64_t c = 0; c < d; ++c) padded[c] = ToFloat(x[t * d + c]);
+      Layout::PackX(padded.data(), units / Rows::kPerDword, xs.data() + t * units);
+    } else {
+      for (int64_t u = 0; u < units; ++u) xs[t * units + u] = Slot<Rows, Format>(x + t * d, d, u) * Layout::XScale(u);
+    }
+  }
+  return xs;
+}
+
+// dots[i] = row lo + i . x for i < rows: Layout::kRows runs of the rows side by side, then the
+// rest one by one.
+template <class Rows>
+void DotChunk(const Rows& w, int64_t lo, int64_t rows, const Lanes<Rows::kWidth>* x, int64_t full, int64_t tail,
+              float* dots) {
+  constexpr int kRows = DecodeLayout<Rows>::kRows;
+  const int64_t run = rows / kRows;
+  for (int64_t i = 0; i < run; ++i) DotRows<kRows>(w, lo + i, run, x, full, tail, dots + i);
+  for (int64_t i = kRows * run; i < rows; ++i) DotRows<1>(w, lo + i, 0, x, full, tail, dots + i);
+}
+
 template <typename T, class Format>
 void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& format_in, const T* b_in,
             const Format& format_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
@@ -647,16 +693,6 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
   using Layout = DecodeLayout<Rows>;
   constexpr int W = Rows::kWidth;
   const int64_t full = s.d / W, tail = s.d % W, units = Layout::Slots(s.d);
-  // Slot u of a vector of d values in the layout (zero at padding).
-  auto slot = [&](const T* v, int64_t u) {
-    if constexpr (std::is_same_v<Rows, Format>) return LoadLanes<W>(v, u, u < full ? W : tail);
-    Lanes<W> out;
-    for (int l = 0; l < W; ++l) {
-      const int64_t column = Layout::Column(u, l);
-      out[l] = column < s.d ? ToFloat(v[column]) : 0.0f;
-    }
-    return out;
-  };
   // Chunks of a fixed number of rows (from the format's row size, never from the thread count).
   const int64_t chunk_rows =
       std::clamp<int64_t>(kChunkBytes / (format_in.RowBytes() + format_out.RowBytes()), 1, kMaxChunkRows);
@@ -665,7 +701,6 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
   };
   std::vector<Chunk> chunks;
   std::vector<size_t> first_chunk(s.tokens + 1, 0);
-  std::vector<Lanes<W>> xs(s.tokens * units);
   for (int64_t t = 0; t < s.tokens; ++t) {
     std::vector<Range> windows;
     AddWindows(starts + t * s.k, s.k, s.r, windows);
@@ -678,14 +713,8 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
       for (int64_t j = 0; j < n; ++j) chunks.push_back({t, run.lo + length * j / n, run.lo + length * (j + 1) / n});
     }
     first_chunk[t + 1] = chunks.size();
-    if constexpr (Layout::kIntegerDot) {
-      std::vector<float> padded(units * W, 0.0f);
-      for (int64_t c = 0; c < s.d; ++c) padded[c] = ToFloat(x[t * s.d + c]);
-      Layout::PackX(padded.data(), units / Rows::kPerDword, &xs[t * units]);
-    } else {
-      for (int64_t u = 0; u < units; ++u) xs[t * units + u] = slot(x + t * s.d, u) * Layout::XScale(u);
-    }
   }
+  const std::vector<Lanes<W>> xs = DecodeX<Rows, Format>(x, s.tokens, s.d);
 
   // Every chunk writes its whole partial: no zeroing here (a memset of all of them per call).
   const std::unique_ptr<Lanes<W>[]> partials(new Lanes<W>[chunks.size() * units]);
@@ -695,17 +724,15 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
     Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo;
-    // Layout::kRows runs of `run` rows side by side, then the rest one by one.
-    constexpr int kRows = Layout::kRows;
-    const int64_t run = rows / kRows;
-    for (int64_t i = 0; i < run; ++i) DotRows<kRows>(w_in, c.lo + i, run, xt, full, tail, hidden + i);
-    for (int64_t i = kRows * run; i < rows; ++i) DotRows<1>(w_in, c.lo + i, 0, xt, full, tail, hidden + i);
+    DotChunk(w_in, c.lo, rows, xt, full, tail, hidden);
     for (int64_t i = 0; i < rows; ++i) hidden[i] += ToFloat(b_in[c.lo + i]);
     Eigen::Map<Eigen::ArrayXf> h(hidden, rows);
     GeluTanh(h);
     Coverage(starts + c.token * s.k, s.k, s.r, c.lo, c.hi, coverage);
     h *= Eigen::Map<const Eigen::ArrayXf>(coverage, rows);
     std::fill(out, out + units, Lanes<W>{});
+    constexpr int kRows = Layout::kRows;
+    const int64_t run = rows / kRows;
     for (int64_t i = 0; i < run; ++i) AxpyRows<kRows>(w_out, c.lo + i, run, hidden + i, full, tail, out);
     for (int64_t i = kRows * run; i < rows; ++i) AxpyRows<1>(w_out, c.lo + i, 0, hidden + i, full, tail, out);
   });
@@ -713,7 +740,7 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
   for (int64_t t = 0; t < s.tokens; ++t) {
     for (int64_t u = 0; u < units; ++u) {
       // The partials are stored divided by XScale (powers of two: exact), so is b_out here.
-      Lanes<W> sum = slot(b_out, u) / Layout::XScale(u);
+      Lanes<W> sum = Slot<Rows, Format>(b_out, s.d, u) / Layout::XScale(u);
       for (size_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) sum += partials[c * units + u];
       sum *= Layout::XScale(u);
       for (int l = 0; l < W; ++l) {
@@ -814,6 +841,62 @@ void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
   }
 }
 
+// ---- QMatMul ------------------------------------------------------------------------------------
+
+// At least this many work items a call: a 768-row matrix still splits evenly over 2 or 4 threads.
+constexpr int64_t kMatMulItems = 8;
+
+// Few tokens: each work item a fixed range of rows, read once for all tokens (the range stays in
+// cache between them). Every dot is one row's own sum, so no split changes a bit.
+template <typename T, class Format>
+void DecodeMatMul(const MatMulSizes& s, const T* x, const Format& format, T* y, const ParallelFor& parallel_for) {
+  const auto& w = DecodeRows(format);
+  using Rows = std::decay_t<decltype(w)>;
+  constexpr int W = Rows::kWidth;
+  const std::vector<Lanes<W>> xs = DecodeX<Rows, Format>(x, s.tokens, s.k);
+  const int64_t units = DecodeLayout<Rows>::Slots(s.k);
+  const int64_t rows = std::clamp<int64_t>(
+      std::min(kChunkBytes / format.RowBytes(), (s.n + kMatMulItems - 1) / kMatMulItems), 1, kMaxChunkRows);
+  parallel_for(static_cast<size_t>((s.n + rows - 1) / rows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * rows, hi = std::min(lo + rows, s.n);
+    float dots[kMaxChunkRows];
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      DotChunk(w, lo, hi - lo, xs.data() + t * units, s.k / W, s.k % W, dots);
+      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[j - lo], y + t * s.n + j);
+    }
+  });
+}
+
+// Many tokens: per block of kHiddenBlock rows, dequantized once into scratch, a GEMM per group of
+// kGroupTokens tokens.
+template <typename T, class Format>
+void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
+  RowMatrix xf(s.tokens, s.k);
+  for (int64_t t = 0; t < s.tokens; ++t) xf.row(t) = ToVector(x + t * s.k, s.k).transpose();
+  parallel_for(static_cast<size_t>((s.n + kHiddenBlock - 1) / kHiddenBlock), [&](size_t block) {
+    const int64_t lo = static_cast<int64_t>(block) * kHiddenBlock, hi = std::min(lo + kHiddenBlock, s.n);
+    RowMatrix scratch, out;
+    const MatrixView rows = Rows(w, lo, hi, scratch);
+    for (int64_t begin = 0; begin < s.tokens; begin += kGroupTokens) {
+      const int64_t n = std::min(kGroupTokens, s.tokens - begin);
+      out.noalias() = xf.middleRows(begin, n) * rows.transpose();
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = lo; j < hi; ++j) FromFloat(out(t, j - lo), y + (begin + t) * s.n + j);
+      }
+    }
+  });
+}
+
+template <typename T, class Format>
+void ComputeMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
+  if (s.tokens == 0 || s.n == 0) return;
+  if (s.tokens <= kDecodeMaxTokens) {
+    DecodeMatMul(s, x, w, y, parallel_for);
+  } else {
+    PrefillMatMul(s, x, w, y, parallel_for);
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -835,12 +918,25 @@ void RunQuantized(const Sizes& s, const Quantization& q, const T* x, const int64
   }
 }
 
+template <typename T>
+void RunQMatMul(const MatMulSizes& s, const Quantization& q, const T* x, const QuantizedMatrix<T>& w, T* y,
+                const ParallelFor& parallel_for) {
+  const int64_t stride = (s.k + q.block_size - 1) / q.block_size * q.block_size * q.bits / 8;  // whole blocks
+  if (q.bits == 8) {
+    ComputeMatMul(s, x, QuantRows<8, T>(w, s.k, q.block_size, stride), y, parallel_for);
+  } else {
+    ComputeMatMul(s, x, QuantRows<4, T>(w, s.k, q.block_size, stride), y, parallel_for);
+  }
+}
+
 #define INFMOE_INSTANTIATE(T)                                                                               \
   template void Run<T>(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, T*, \
                        const ParallelFor&);                                                                \
   template void RunQuantized<T>(const Sizes&, const Quantization&, const T*, const int64_t*,               \
                                 const QuantizedMatrix<T>&, const T*, const QuantizedMatrix<T>&, const T*,  \
-                                T*, const ParallelFor&);
+                                T*, const ParallelFor&);                                                 \
+  template void RunQMatMul<T>(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*, \
+                              const ParallelFor&);
 INFMOE_INSTANTIATE(float)
 INFMOE_INSTANTIATE(uint16_t)
 #undef INFMOE_INSTANTIATE

@@ -49,6 +49,19 @@ void QContinuousSliceFFN(const Sizes& sizes, const Quantization& quantization, c
                          const QuantizedMatrix<T>& w_in, const T* b_in, const QuantizedMatrix<T>& w_out,
                          const T* b_out, T* y, const ParallelFor& parallel_for);
 
+// infmoe::QMatMul (docs/onnxruntime-kernel.md): y[t, j] = x[t, :] . w'[j, :] for a quantized
+// [n, k] matrix stored as above, each row padded to whole blocks (com.microsoft MatMulNBits'
+// layout: packed [n, blocks * block_size * bits / 8], pad values q = 0). The same
+// decode (few tokens) and prefill paths, every row's sum in a fixed order: bitwise identical for
+// any number of threads. Preconditions (checked by the caller): shapes agree, bits 4 or 8,
+// block_size a power of two >= 16.
+struct MatMulSizes {
+  int64_t tokens, k, n;
+};
+template <typename T>
+void QMatMul(const MatMulSizes& sizes, const Quantization& quantization, const T* x, const QuantizedMatrix<T>& w,
+             T* y, const ParallelFor& parallel_for);
+
 // The compiled variant ContinuousSliceFFN runs on this CPU: "avx512", "avx2" or "baseline"
 // (x86-64), "baseline" elsewhere. Chosen once, at the first call, with __builtin_cpu_supports;
 // the environment variable INFMOE_CPU_VARIANT can ask for a narrower one (tests, benchmarks),

@@ -1,6 +1,6 @@
-// onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4) and infmoe::QContinuousSliceFFN v1
-// (SPEC §6): attribute, type and shape checks, output allocation, the intra-op thread pool, and the
-// RegisterCustomOps entry point.
+// onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4), infmoe::QContinuousSliceFFN v1
+// (SPEC §6) and infmoe::QMatMul v1 (docs/onnxruntime-kernel.md): attribute, type and shape checks,
+// output allocation, the intra-op thread pool, and the RegisterCustomOps entry point.
 // Built against the C/C++ API with ORT_API_MANUAL_INIT; no onnxruntime library is linked.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -119,17 +119,30 @@ struct Attributes {
   }
 };
 
-// QContinuousSliceFFN adds bits and block_size (SPEC §6), both required.
-struct QuantizedAttributes : Attributes {
-  infmoe::Quantization quantization{};
+// The required bits and block_size of the quantized ops (SPEC §6).
+infmoe::Quantization QuantizationOf(const Ort::ConstKernelInfo& info) {
+  const int64_t bits = RequiredInt(info, "bits", "4 or 8");
+  if (bits != 4 && bits != 8) Fail("bits must be 4 or 8, got " + std::to_string(bits));
+  const int64_t block = RequiredInt(info, "block_size", "a power of two >= 16");
+  if (block < 16 || (block & (block - 1)) != 0) Fail("block_size must be a power of two >= 16, got " + std::to_string(block));
+  return {bits, block};
+}
 
-  explicit QuantizedAttributes(const OrtKernelInfo* info) : Attributes(info) {
+struct QuantizedAttributes : Attributes {
+  infmoe::Quantization quantization;
+  explicit QuantizedAttributes(const OrtKernelInfo* info)
+      : Attributes(info), quantization(QuantizationOf(Ort::ConstKernelInfo(info))) {}
+};
+
+// QMatMul's: K and N (MatMulNBits' names), bits and block_size.
+struct MatMulAttributes {
+  infmoe::Quantization quantization;
+  int64_t k, n;
+  explicit MatMulAttributes(const OrtKernelInfo* info) : quantization(QuantizationOf(Ort::ConstKernelInfo(info))) {
     Ort::ConstKernelInfo kernel_info(info);
-    const int64_t bits = RequiredInt(kernel_info, "bits", "4 or 8");
-    if (bits != 4 && bits != 8) Fail("bits must be 4 or 8, got " + std::to_string(bits));
-    const int64_t block = RequiredInt(kernel_info, "block_size", "a power of two >= 16");
-    if (block < 16 || (block & (block - 1)) != 0) Fail("block_size must be a power of two >= 16, got " + std::to_string(block));
-    quantization = {bits, block};
+    k = RequiredInt(kernel_info, "K", "A's last dimension");
+    n = RequiredInt(kernel_info, "N", "the output's last dimension");
+    if (k < 1 || n < 1) Fail("K and N must be >= 1, got K = " + std::to_string(k) + ", N = " + std::to_string(n));
   }
 };
 
@@ -278,6 +291,54 @@ struct QuantizedCpuKernel {
   }
 };
 
+// QMatMul: A [..., K], B uint8 [N, ceil(K / block_size), block_size * bits / 8] (SPEC §6's storage,
+// each row padded to whole blocks: MatMulNBits' layout), scales [N, ceil(K / block_size)] of A's
+// type. Types other than A's are checked here, as for QContinuousSliceFFN.
+infmoe::MatMulSizes CheckMatMul(const Inputs& in, const MatMulAttributes& attributes) {
+  if (in.types[1] != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) Fail(std::string("B must be uint8, got ") + TypeName(in.types[1]));
+  if (in.types[2] != in.types[0]) {
+    Fail(std::string("scales must have A's element type ") + TypeName(in.types[0]) + ", got " + TypeName(in.types[2]));
+  }
+  const auto& a = in.shapes[0];
+  const int64_t k = attributes.k, n = attributes.n;
+  if (a.empty() || a.back() != k) Fail("A " + ShapeString(a) + " must be [..., K] with K = " + std::to_string(k));
+  const auto& q = attributes.quantization;
+  const int64_t blocks = k / q.block_size + (k % q.block_size != 0);
+  const std::string for_attributes = " for K = " + std::to_string(k) + ", N = " + std::to_string(n) +
+                                     ", bits = " + std::to_string(q.bits) + ", block_size = " + std::to_string(q.block_size);
+  RequireShape("B", in.shapes[1], {n, blocks, q.block_size * q.bits / 8},
+               "[N, ceil(K / block_size), block_size * bits / 8]" + for_attributes);
+  RequireShape("scales", in.shapes[2], {n, blocks}, "[N, ceil(K / block_size)]" + for_attributes);
+  int64_t tokens = 1;
+  for (size_t i = 0; i + 1 < a.size(); ++i) tokens *= a[i];
+  return {tokens, k, n};
+}
+
+template <typename T>
+struct QMatMulCpuKernel {
+  static constexpr const char* kName = "QMatMul";
+  static constexpr size_t kInputs = 3;
+  static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
+    return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+
+  MatMulAttributes attributes;
+  explicit QMatMulCpuKernel(const OrtKernelInfo* info) : attributes(info) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
+    return Guard(kName, [&] {
+      Ort::KernelContext context(raw_context);
+      const Inputs inputs(context, kInputs);
+      const infmoe::MatMulSizes sizes = CheckMatMul(inputs, attributes);
+      std::vector<int64_t> shape = inputs.shapes[0];
+      shape.back() = sizes.n;
+      Ort::UnownedValue output = context.GetOutput(0, shape);
+      infmoe::QMatMul<T>(sizes, attributes.quantization, inputs.Data<T>(0), {inputs.Data<uint8_t>(1), inputs.Data<T>(2)},
+                         reinterpret_cast<T*>(output.GetTensorMutableRawData()), ParallelForOf(context));
+    });
+  }
+};
+
 #ifdef INFMOE_WITH_CUDA
 // Same checks; starts are copied to the host to be range-checked before any kernel runs.
 template <typename T>
@@ -326,6 +387,8 @@ Op<CpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_float(nullptr);
 Op<CpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_half(nullptr);
 Op<QuantizedCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_quantized_float(nullptr);
 Op<QuantizedCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_quantized_half(nullptr);
+Op<QMatMulCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_matmul_float(nullptr);
+Op<QMatMulCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_matmul_half(nullptr);
 #ifdef INFMOE_WITH_CUDA
 Op<CudaKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cuda_float("CUDAExecutionProvider");
 Op<CudaKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cuda_half("CUDAExecutionProvider");
@@ -351,6 +414,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     domain.Add(&cpu_half);
     domain.Add(&cpu_quantized_float);
     domain.Add(&cpu_quantized_half);
+    domain.Add(&cpu_matmul_float);
+    domain.Add(&cpu_matmul_half);
 #ifdef INFMOE_WITH_CUDA
     domain.Add(&cuda_float);
     domain.Add(&cuda_half);

@@ -12,7 +12,9 @@
                               T*, const ParallelFor&);                                                      \
   extern template void RunQuantized<T>(const Sizes&, const Quantization&, const T*, const int64_t*,          \
                                        const QuantizedMatrix<T>&, const T*, const QuantizedMatrix<T>&,       \
-                                       const T*, T*, const ParallelFor&);
+                                       const T*, T*, const ParallelFor&);                                   \
+  extern template void RunQMatMul<T>(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, \
+                                     T*, const ParallelFor&);
 #define INFMOE_DECLARE_VARIANT(name)                                                                      \
   namespace name {                                                                                        \
   template <typename T>                                                                                   \
@@ -21,6 +23,9 @@
   template <typename T>                                                                                   \
   void RunQuantized(const Sizes&, const Quantization&, const T*, const int64_t*, const QuantizedMatrix<T>&, \
                     const T*, const QuantizedMatrix<T>&, const T*, T*, const ParallelFor&);               \
+  template <typename T>                                                                                   \
+  void RunQMatMul(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,       \
+                  const ParallelFor&);                                                                    \
   INFMOE_DECLARE_RUN(float)                                                                               \
   INFMOE_DECLARE_RUN(uint16_t)                                                                            \
   }
@@ -43,6 +48,9 @@ using Kernel = void (*)(const Sizes&, const T*, const int64_t*, const T*, const 
 template <typename T>
 using QKernel = void (*)(const Sizes&, const Quantization&, const T*, const int64_t*, const QuantizedMatrix<T>&,
                          const T*, const QuantizedMatrix<T>&, const T*, T*, const ParallelFor&);
+template <typename T>
+using MatMulKernel = void (*)(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,
+                              const ParallelFor&);
 
 struct Variant {
   const char* name;
@@ -50,10 +58,13 @@ struct Variant {
   Kernel<uint16_t> f16;
   QKernel<float> q32;
   QKernel<uint16_t> q16;
+  MatMulKernel<float> mm32;
+  MatMulKernel<uint16_t> mm16;
 };
 
-#define INFMOE_VARIANT_ENTRY(name) \
-  {#name, name::Run<float>, name::Run<uint16_t>, name::RunQuantized<float>, name::RunQuantized<uint16_t>}
+#define INFMOE_VARIANT_ENTRY(name)                                                                        \
+  {#name, name::Run<float>, name::Run<uint16_t>, name::RunQuantized<float>, name::RunQuantized<uint16_t>, \
+   name::RunQMatMul<float>, name::RunQMatMul<uint16_t>}
 
 // Widest first. x86-64-v3 is AVX2 + FMA + F16C + BMI1/2 + LZCNT + MOVBE, x86-64-v4 adds
 // AVX-512 F/BW/CD/DQ/VL; the avx512 variant also uses AVX512-VNNI (a Skylake-X without it runs
@@ -101,11 +112,13 @@ template <>
 struct KernelsOf<float> {
   static Kernel<float> Float(const Variant& v) { return v.f32; }
   static QKernel<float> Quantized(const Variant& v) { return v.q32; }
+  static MatMulKernel<float> MatMul(const Variant& v) { return v.mm32; }
 };
 template <>
 struct KernelsOf<uint16_t> {
   static Kernel<uint16_t> Float(const Variant& v) { return v.f16; }
   static QKernel<uint16_t> Quantized(const Variant& v) { return v.q16; }
+  static MatMulKernel<uint16_t> MatMul(const Variant& v) { return v.mm16; }
 };
 
 }  // namespace
@@ -151,5 +164,16 @@ template void QContinuousSliceFFN<uint16_t>(const Sizes&, const Quantization&, c
                                             const QuantizedMatrix<uint16_t>&, const uint16_t*,
                                             const QuantizedMatrix<uint16_t>&, const uint16_t*, uint16_t*,
                                             const ParallelFor&);
+
+template <typename T>
+void QMatMul(const MatMulSizes& sizes, const Quantization& quantization, const T* x, const QuantizedMatrix<T>& w,
+             T* y, const ParallelFor& parallel_for) {
+  KernelsOf<T>::MatMul(Chosen())(sizes, quantization, x, w, y, parallel_for);
+}
+
+template void QMatMul<float>(const MatMulSizes&, const Quantization&, const float*, const QuantizedMatrix<float>&,
+                             float*, const ParallelFor&);
+template void QMatMul<uint16_t>(const MatMulSizes&, const Quantization&, const uint16_t*,
+                                const QuantizedMatrix<uint16_t>&, uint16_t*, const ParallelFor&);
 
 }  // namespace infmoe
