@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/bench_quant_model.py [--k 1,2,8] [--memory] [--json runs/bench_quant_model.json]
 
 GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the compiled kernel,
-`--target onnxruntime` exports (block 32), batch 1, at fp32, int8 and int4 experts and all-int4
-(`--quantize-other int4`). Per K, measured side by side in one run:
+`--target onnxruntime` exports (block 32), batch 1, at fp32, int8 and int4 experts, all-int8 and
+all-int4 (`--quantize-other int8 / int4`: attention and the LM head through infmoe::QMatMul).
+Per K, measured side by side in one run:
 
 - decode ms/token at past 128 (bench_decode.Decoder: each timed step a token at exactly that
   past), interleaved round by round across the precisions and the peer, one sample of onnxruntime's
@@ -17,9 +18,10 @@ GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the co
   MatMulNBitsQuantizer (int4, symmetric, block 32, float activations). Not our dense int4 path:
   its FFN w_out is QDQ blocked along the output dimension, which onnxruntime does not fuse into
   MatMulNBits (a DequantizeLinear per step: 1.0 s a token, measured under load);
-- all-int4 with int8 activations in its MatMulNBits (accuracy level 4, `int8_activations`): what
-  onnxruntime's own int8-activation path buys, with its max logit error against all-int4 (it is
-  judged at level 2, never level 1);
+- all-int4 with onnxruntime's own MatMulNBits in place of QMatMul (what QMatMul's function runs
+  without our kernel, `through_matmulnbits`), with float activations and with int8 activations
+  (accuracy level 4): what our kernel buys, and what onnxruntime's int8-activation path buys,
+  with its max logit error against all-int4 (judged at level 2, never level 1);
 - prefill tokens/s at 512 tokens, interleaved the same way;
 - with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
   decodes (report.memory), per precision, for both export targets.
@@ -58,10 +60,12 @@ from infmoe_export.runtimes.ort_kernel import custom_op_library  # noqa: E402
 
 PAST, PREFILL = 128, 512
 PRECISIONS = {"fp32": {}, "int8": {"dtype": "int8"}, "int4": {"dtype": "int4"},
+              "all-int8": {"dtype": "int8", "quantize_other": "int8"},
               "all-int4": {"dtype": "int4", "quantize_other": "int4"}}
 GOALS = {"int8_speedup": 2.5, "int4_speedup": 4.0, "over_roofline": 1.3, "vs_dense_medium_int4": 2.5,
          "prefill_vs_fp32": 1.0, "file_ratio_all_int4": 0.2, "peak_rss_ratio_all_int4": 0.35}
-A8 = "all-int4, int8 activations"  # not a precision of its own: its roofline is all-int4's
+# Not precisions of their own (their roofline is all-int4's): all-int4 through onnxruntime's MatMulNBits.
+NBITS, A8 = "all-int4, MatMulNBits", "all-int4, MatMulNBits int8 activations"
 AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}
 
 
@@ -88,16 +92,17 @@ def dense_peer(scratch: Path) -> ExportedModel:
     return ExportedModel.read(path)
 
 
-def int8_activations(path: Path) -> Path:
-    """A copy of an export whose MatMulNBits (attention, LM head) round their activations to int8:
-    accuracy level 4, onnxruntime-genai's CPU default; off the level-1 reference by more than the
-    float tolerances, so a deployment judges it at level 2 (docs/quantization.md). Its session
-    sets the same level for the attention that onnxruntime fuses (a8_options)."""
+def through_matmulnbits(path: Path, accuracy_level: int) -> Path:
+    """A copy of an export whose QMatMul nodes (attention, LM head) are onnxruntime's MatMulNBits,
+    as their function inlines them, at an accuracy level: 1 float activations, 4 int8 ones
+    (onnxruntime-genai's CPU default; off the level-1 reference by more than the float
+    tolerances, so a deployment judges it at level 2, docs/quantization.md)."""
     model = onnx.load(str(path))
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            node.attribute.append(onnx.helper.make_attribute("accuracy_level", 4))
-    out = path.with_name(path.stem + "_a8.onnx")
+        if node.op_type == "QMatMul":
+            node.op_type, node.domain = "MatMulNBits", "com.microsoft"
+            node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
+    out = path.with_name(f"{path.stem}_nbits{accuracy_level}.onnx")
     onnx.save(model, str(out))
     return out
 
@@ -188,16 +193,18 @@ def main():
             paths = {p: export_onnx(small, scratch / f"small_{p}.onnx", k=k, block_size=BLOCK, target="onnxruntime",
                                     **options).path for p, options in PRECISIONS.items()}
             decoders = {p: Decoder(ExportedModel.read(path), args.threads) for p, path in paths.items()}
-            a8 = Decoder(ExportedModel.read(int8_activations(paths["all-int4"])), args.threads, a8_options())
-            for decoder in [*decoders.values(), a8]:
+            nbits = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 1)), args.threads)
+            a8 = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 4)), args.threads, a8_options())
+            for decoder in [*decoders.values(), nbits, a8]:
                 decoder.prepare(PAST)
             a8_error = float(np.abs(a8.steps[PAST]()["logits"] - decoders["all-int4"].steps[PAST]()["logits"]).max())
             decode, gbs = interleaved_rounds({**{p: d.steps[PAST] for p, d in decoders.items()},
-                                              A8: a8.steps[PAST], "dense-medium-int4": peer.steps[PAST]},
+                                              NBITS: nbits.steps[PAST], A8: a8.steps[PAST],
+                                              "dense-medium-int4": peer.steps[PAST]},
                                              bandwidth, args.rounds, args.steps)
             prefill, _ = interleaved_rounds({p: prefill_step(d, tokens) for p, d in decoders.items()}, bandwidth,
                                             args.prefill_rounds, 1)
-            del decoders, a8
+            del decoders, nbits, a8
             row = summarise(small, k, decode, prefill, median(gbs))
             row["a8_max_logit_error"] = a8_error
             result["results"].append(row)
@@ -218,7 +225,8 @@ def summarise(model, k, decode, prefill, read_gbs):
     return {"k": k, "read_gbs": read_gbs, "decode_ms": decode, "roofline_ms": rooflines,
             "prefill_tokens_per_s": {p: PREFILL / (ms / 1e3) for p, ms in prefill.items()},
             "ratios": {"int8_speedup": fp32 / decode["int8"], "int4_speedup": fp32 / decode["int4"],
-                       "all_int4_speedup": fp32 / decode["all-int4"], "all_int4_a8_speedup": fp32 / decode[A8],
+                       "all_int8_speedup": fp32 / decode["all-int8"], "all_int4_speedup": fp32 / decode["all-int4"],
+                       "all_int4_nbits_speedup": fp32 / decode[NBITS], "all_int4_a8_speedup": fp32 / decode[A8],
                        "roofline_speedup": {p: rooflines["fp32"] / r for p, r in rooflines.items()},
                        "over_roofline": {p: decode[p] / rooflines[p] for p in PRECISIONS},
                        "vs_dense_medium_int4": {p: decode["dense-medium-int4"] / decode[p]
@@ -241,7 +249,8 @@ def print_row(row):
     d, r = row["decode_ms"], row["roofline_ms"]
     print(f"K={row['k']} (read {row['read_gbs']:.1f} GB/s): decode ms/token " +
           ", ".join(f"{p} {d[p]:.2f} (roofline {r[p]:.2f})" for p in PRECISIONS) +
-          f", {A8} {d[A8]:.2f} (max |logit error| vs all-int4 {row['a8_max_logit_error']:.3g})"
+          f", {NBITS} {d[NBITS]:.2f}, {A8} {d[A8]:.2f} (max |logit error| vs all-int4 "
+          f"{row['a8_max_logit_error']:.3g})"
           f", dense Medium int4 {d['dense-medium-int4']:.2f}; prefill tokens/s " +
           ", ".join(f"{p} {v:.0f}" for p, v in row["prefill_tokens_per_s"].items()), flush=True)
 
@@ -251,8 +260,10 @@ def print_summary(result):
         r = row["ratios"]
         print(f"K={row['k']}:")
         print(f"  int8 vs fp32 {verdict('int8_speedup', r['int8_speedup'])}; int4 vs fp32 "
-              f"{verdict('int4_speedup', r['int4_speedup'])}; all-int4 vs fp32 "
-              f"{verdict('int4_speedup', r['all_int4_speedup'])}; {A8} {r['all_int4_a8_speedup']:.2f} (roofline allows " +
+              f"{verdict('int4_speedup', r['int4_speedup'])}; all-int8 vs fp32 "
+              f"{verdict('int8_speedup', r['all_int8_speedup'])}; all-int4 vs fp32 "
+              f"{verdict('int4_speedup', r['all_int4_speedup'])}; {NBITS} {r['all_int4_nbits_speedup']:.2f}; "
+              f"{A8} {r['all_int4_a8_speedup']:.2f} (roofline allows " +
               ", ".join(f"{p} {v:.2f}" for p, v in r["roofline_speedup"].items() if p != "fp32") + ")")
         print("  over roofline: " + ", ".join(f"{p} {verdict('over_roofline', v)}"
                                               for p, v in r["over_roofline"].items()))

@@ -9,7 +9,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["bench_ort", "bench_op", "bench_qop", "bench_decode", "bench_k_latency", "bench_quant_model", "quant_quality"])
+@pytest.mark.parametrize("name", ["bench_ort", "bench_op", "bench_qop", "bench_decode", "bench_k_latency", "bench_quant_model", "bench_qmatmul", "quant_quality"])
 def test_benchmark_imports(name, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run from benchmarks/: bench_qop imports bench_op
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")

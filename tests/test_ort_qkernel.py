@@ -229,12 +229,14 @@ def test_float16_x_refuses_float32_scales(library):
 
 @pytest.mark.parametrize("variant", ["avx2", "baseline"])
 def test_narrower_cpu_variants(library, variant):
-    """The reference and determinism tests again with the x86-64-v3 and portable variants (the
-    widest one the CPU supports runs everywhere else); the variant is chosen once per process."""
+    """The reference and determinism tests of both quantized ops (QMatMul's in test_ort_qmatmul.py)
+    again with the x86-64-v3 and portable variants (the widest one the CPU supports runs
+    everywhere else); the variant is chosen once per process."""
     if os.environ.get("INFMOE_CPU_VARIANT"):
         pytest.skip("already running one variant")
     env = dict(os.environ, INFMOE_CPU_VARIANT=variant, INFMOE_TEST_SEED=str(SEED))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+    qmatmul = os.path.join(os.path.dirname(__file__), "test_ort_qmatmul.py")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, qmatmul,
                            "-k", "matches_level_1 or bitwise or nibble"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"{variant}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
 

@@ -246,13 +246,8 @@ def reference_tokens(exports):
         return [generate(runner, list(p), NEW) for p in PROMPTS]
 
 
-def test_genai_with_the_shared_buffer(exports, reference_tokens):
-    og = pytest.importorskip("onnxruntime_genai")
-    folder = exports["onnxruntime"].path.parent
-    search = json.loads((folder / "genai_config.json").read_text())["search"]
-    assert search["past_present_share_buffer"] is True
-    portable = json.loads((exports["portable"].path.parent / "genai_config.json").read_text())["search"]
-    assert portable["past_present_share_buffer"] is False
+def _genai_tokens(og, folder):
+    """onnxruntime-genai's greedy tokens for each prompt alone."""
     tokens = []
     for prompt in PROMPTS:
         model = og.Model(str(folder))
@@ -263,7 +258,30 @@ def test_genai_with_the_shared_buffer(exports, reference_tokens):
         while not generator.is_done():
             generator.generate_next_token()
         tokens.append([int(t) for t in generator.get_sequence(0)][len(prompt):])
-    assert tokens == reference_tokens
+    return tokens
+
+
+def test_genai_with_the_shared_buffer(exports, reference_tokens):
+    og = pytest.importorskip("onnxruntime_genai")
+    folder = exports["onnxruntime"].path.parent
+    search = json.loads((folder / "genai_config.json").read_text())["search"]
+    assert search["past_present_share_buffer"] is True
+    portable = json.loads((exports["portable"].path.parent / "genai_config.json").read_text())["search"]
+    assert portable["past_present_share_buffer"] is False
+    assert _genai_tokens(og, folder) == reference_tokens
+
+
+def test_genai_runs_the_all_int4_onnxruntime_target(model, tmp_path):
+    """QMatMul's function (MatMulNBits) lets onnxruntime-genai run the int4 attention and LM head
+    without our library, on the shared buffer: the tokens of our runner without the kernel."""
+    og = pytest.importorskip("onnxruntime_genai")
+    exported = export_onnx(model, tmp_path / "model.onnx", k=2, dtype="int4", quantize_other="int4", block_size=16,
+                           target="onnxruntime")
+    write_hf_folder(tmp_path, exported)
+    assert _ops(exported.path)[("infmoe", "QMatMul")] == 2 * CONFIG.n_layer + 1
+    with OrtRunner(exported.io, exported, kernel=False) as runner:
+        expected = [generate(runner, list(p), NEW) for p in PROMPTS]
+    assert _genai_tokens(og, tmp_path) == expected
 
 
 def test_optimum_on_the_onnxruntime_target(exports, reference_tokens):

@@ -1,13 +1,14 @@
-"""Fuzz infmoe::ContinuousSliceFFN and infmoe::QContinuousSliceFFN through onnxruntime, meant for
-the AddressSanitizer + UBSan build.
+"""Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN and infmoe::QMatMul through
+onnxruntime, meant for the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows, half the cases for each op; about a third are invalid (starts out of range, a mismatched
-or missing dimension, slice_width > H; for the quantized op also bits and block sizes outside
-SPEC §6, and packed weights, scales or biases of the wrong element type). A valid case must
-match the PyTorch reference (for the quantized op the level-1 reference, random packed bytes
-included), an invalid one must raise an onnxruntime error; anything else, or any sanitizer
-report, is a finding.
+windows: 40% of the cases for each expert op, 20% for QMatMul; about a third are invalid (starts
+out of range, a mismatched or missing dimension, slice_width > H; for the quantized ops also bits
+and block sizes outside SPEC §6, and packed weights, scales or biases of the wrong element type;
+for QMatMul a K or N attribute that disagrees with the tensors). A valid case must match the
+PyTorch reference (for the quantized ops the level-1 reference, random packed bytes included),
+an invalid one must raise an onnxruntime error; anything else, or any sanitizer report, is a
+finding.
 
     plugins/onnxruntime/build.sh --asan
     LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)" \\
@@ -26,8 +27,8 @@ import torch
 from onnx import helper
 
 from infmoe_export.model import continuous_slice_ffn
-from infmoe_export.export.function import op_model
-from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn
+from infmoe_export.export.function import op_model, qmatmul_model
+from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
 from infmoe_export.runtimes import ort_kernel
 
 NAMES = ("X", "starts", "w_in", "b_in", "w_out", "b_out")
@@ -130,6 +131,57 @@ def random_case(rng, quantized):
     return feeds, r, dtype, bits, block, problem_of(feeds, r, bits, block)
 
 
+def random_matmul_case(rng):
+    """(feeds, attributes K, N, bits, block_size, dtype, problem) of QMatMul: MatMulNBits'
+    storage [N, ceil(K / B), B bits / 8] of random bytes (the pad values of a partial block too)."""
+    lead = tuple(int(n) for n in rng.integers(0, 4, size=rng.integers(1, 3)))
+    if rng.random() < 0.1:
+        lead = (int(rng.integers(4, 200)),)  # the prefill path
+    k = int(rng.integers(1, 80)) if rng.random() < 0.7 else int(rng.integers(80, 400))
+    n = int(rng.integers(1, 300))
+    bits, block = int(rng.choice([4, 8])), int(rng.choice(BLOCK_SIZES))
+    dtype = np.float16 if rng.random() < 0.2 else np.float32
+    feeds = {"A": rng.standard_normal(lead + (k,)).astype(dtype),
+             "B": rng.integers(0, 256, size=(n, n_blocks(k, block), block * bits // 8), dtype=np.uint8),
+             "scales": (rng.random((n, n_blocks(k, block))) * 0.02 / np.sqrt(k)).astype(dtype)}
+    attributes = dict(K=k, N=n, bits=bits, block_size=block)
+    roll = rng.random()
+    if roll < 0.15:  # one input gets a dimension changed, dropped or added
+        name = str(rng.choice(list(feeds)))
+        shape = list(feeds[name].shape)
+        if rng.random() < 0.7:
+            axis = int(rng.integers(len(shape)))
+            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
+        else:
+            shape = shape[:-1] if rng.random() < 0.5 else shape + [1]
+        kind = feeds[name].dtype
+        feeds[name] = np.full(shape, 136, kind) if kind == np.uint8 else rng.standard_normal(shape).astype(kind)
+    elif roll < 0.2:
+        attributes[str(rng.choice(["K", "N"]))] += int(rng.choice([-1, 1, 64]))
+    elif roll < 0.25:
+        attributes["bits"] = int(rng.choice(BAD_BITS))
+    elif roll < 0.3:
+        attributes["block_size"] = int(rng.choice(BAD_BLOCK_SIZES))
+    elif roll < 0.33:
+        feeds["scales"] = feeds["scales"].astype(np.float32 if dtype == np.float16 else np.float16)
+    elif roll < 0.35:
+        feeds["B"] = feeds["B"].astype(np.int8)
+    return feeds, attributes, dtype, matmul_problem(feeds, **attributes)
+
+
+def matmul_problem(feeds, K, N, bits, block_size):
+    """Why QMatMul must refuse these inputs, or None."""
+    if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1) or K < 1 or N < 1:
+        return "attribute"
+    if feeds["B"].dtype != np.uint8 or feeds["scales"].dtype != feeds["A"].dtype:
+        return "type"
+    blocks = n_blocks(K, block_size)
+    if not feeds["A"].shape or feeds["A"].shape[-1] != K or feeds["B"].shape != (N, blocks, block_size * bits // 8) \
+            or feeds["scales"].shape != (N, blocks):
+        return "shape"
+    return None
+
+
 def reference(feeds, r, bits, block):
     tensors = [torch.from_numpy(v) for v in feeds.values()]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
@@ -139,7 +191,7 @@ def reference(feeds, r, bits, block):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN and QContinuousSliceFFN kernels.")
+    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN and QMatMul kernels.")
     parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -147,17 +199,17 @@ def main():
 
     sessions = {}
 
-    def session(feeds, r, dtype, bits, block, threads):
-        types = tuple(str(v.dtype) for v in feeds.values())
-        key = (r, str(np.dtype(dtype)), bits, block, types, threads)
+    def session(feeds, key, make_model, threads):
+        """The session of the model make_model() builds, cached by key (its attributes), the
+        feeds' types and the thread count."""
+        key = (*key, tuple(str(v.dtype) for v in feeds.values()), threads)
         if key not in sessions:
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.log_severity_level = 4  # the refused cases would each log an error line
             if not ort_kernel.register(options):
                 sys.exit("fuzz: the kernel library is not built")
-            model = op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits,
-                             **({} if block is None else dict(block_size=block)))
+            model = make_model()
             for value_info in model.graph.input:  # the wrong-type cases declare their types
                 value_info.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(feeds[value_info.name].dtype)
             # Bad attributes fail here, at kernel creation: nothing is cached then.
@@ -167,15 +219,24 @@ def main():
     rng = np.random.default_rng(args.seed)
     findings, counts = [], {}
     for case in range(args.cases):
-        quantized = bool(rng.random() < 0.5)
-        feeds, r, dtype, bits, block, problem = random_case(rng, quantized)
+        roll = rng.random()
+        kind = "float" if roll < 0.4 else "quantized" if roll < 0.8 else "matmul"
+        if kind == "matmul":
+            feeds, attributes, dtype, problem = random_matmul_case(rng)
+            key = tuple(attributes.values())
+            make_model = lambda: qmatmul_model(*key, dtype="float16" if dtype == np.float16 else "float32")  # noqa: E731
+        else:
+            feeds, r, dtype, bits, block, problem = random_case(rng, kind == "quantized")
+            key = (r, str(np.dtype(dtype)), bits, block)
+            make_model = lambda: op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits,  # noqa: E731
+                                          **({} if block is None else dict(block_size=block)))
         threads = int(rng.integers(1, 3))
         try:
-            y = session(feeds, r, dtype, bits, block, threads).run(None, feeds)[0]
+            y = session(feeds, key, make_model, threads).run(None, feeds)[0]
             error = None
         except Exception as exc:  # onnxruntime's error types
             y, error = None, str(exc).splitlines()[0]
-        label = ("quantized " if quantized else "float ") + (problem or "valid")
+        label = f"{kind} {problem or 'valid'}"
         counts[label] = counts.get(label, 0) + 1
         if problem is not None:
             if error is None:
@@ -184,7 +245,12 @@ def main():
         if error is not None:
             findings.append(f"case {case}: valid ({label}) but raised: {error}")
             continue
-        ref = reference(feeds, r, bits, block)
+        if kind == "matmul":
+            tensors = {name: torch.from_numpy(value) for name, value in feeds.items()}
+            ref = q_matmul(tensors["A"].double(), tensors["B"], tensors["scales"].double(), attributes["bits"],
+                           attributes["block_size"]).numpy()
+        else:
+            ref = reference(feeds, r, bits, block)
         scale = max(float(np.abs(ref).max()), 1.0) if ref.size else 1.0
         tolerance = 2e-3 if dtype == np.float16 else 1e-5
         if y.shape != ref.shape or (ref.size and np.abs(y.astype(np.float64) - ref).max() > tolerance * scale):

@@ -845,6 +845,7 @@ void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 
 // At least this many work items a call: a 768-row matrix still splits evenly over 2 or 4 threads.
 constexpr int64_t kMatMulItems = 8;
+constexpr int64_t kMatMulGroupTokens = 1024;  // prefill: tokens per GEMM
 
 // Few tokens: each work item a fixed range of rows, read once for all tokens (the range stays in
 // cache between them). Every dot is one row's own sum, so no split changes a bit.
@@ -873,13 +874,16 @@ template <typename T, class Format>
 void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
   RowMatrix xf(s.tokens, s.k);
   for (int64_t t = 0; t < s.tokens; ++t) xf.row(t) = ToVector(x + t * s.k, s.k).transpose();
-  parallel_for(static_cast<size_t>((s.n + kHiddenBlock - 1) / kHiddenBlock), [&](size_t block) {
-    const int64_t lo = static_cast<int64_t>(block) * kHiddenBlock, hi = std::min(lo + kHiddenBlock, s.n);
+  int64_t blocks = (s.n + kHiddenBlock - 1) / kHiddenBlock;
+  blocks += blocks > 1 && blocks % 2;  // an even number: two threads get equal halves
+  parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
+    const int64_t lo = s.n * static_cast<int64_t>(block) / blocks, hi = s.n * (static_cast<int64_t>(block) + 1) / blocks;
     RowMatrix scratch, out;
     const MatrixView rows = Rows(w, lo, hi, scratch);
-    for (int64_t begin = 0; begin < s.tokens; begin += kGroupTokens) {
-      const int64_t n = std::min(kGroupTokens, s.tokens - begin);
-      out.noalias() = xf.middleRows(begin, n) * rows.transpose();
+    for (int64_t begin = 0; begin < s.tokens; begin += kMatMulGroupTokens) {
+      const int64_t n = std::min(kMatMulGroupTokens, s.tokens - begin);
+      out.resize(n, hi - lo);
+      out.transpose().noalias() = rows * xf.middleRows(begin, n).transpose();
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t j = lo; j < hi; ++j) FromFloat(out(t, j - lo), y + (begin + t) * s.n + j);
       }
