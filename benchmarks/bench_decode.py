@@ -30,7 +30,6 @@ Last, each of issue 16's targets for the onnxruntime target, met or not (also in
 
 import argparse
 import collections
-import json
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort beside this file, however it is loaded
 from bench_ort import SMALL, decode_bytes  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
-from infmoe_export.files import atomic_write  # noqa: E402
+from infmoe_export.files import write_json  # noqa: E402
 from infmoe_export.model import InfMoEConfig, InfMoEGPT  # noqa: E402
 from infmoe_export.report.bench import text_tokens  # noqa: E402
 from infmoe_export.report.timing import environment, time_calls  # noqa: E402
@@ -218,9 +217,7 @@ def main():
               "options": vars(args), "decode": []}
 
     def write():
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(out, json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
 
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as scratch:
         scratch = Path(scratch)

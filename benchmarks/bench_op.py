@@ -17,7 +17,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import json
 import pathlib
 import statistics
 import threading
@@ -29,7 +28,7 @@ import torch
 
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts
 from infmoe_export.export.function import op_model
-from infmoe_export.files import atomic_write
+from infmoe_export.files import write_json
 from infmoe_export.runtimes import ort_kernel
 
 D, H, R, LAYERS = 768, 6144, 1536, 12
@@ -178,9 +177,7 @@ def main():
               f"{rate['torch']:>8.0f} {row['speedup_vs_fallback']:>10.2f}")
 
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.json, json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+        print(f"\nwrote {write_json(args.json, results)}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ same run. Timing and feeds are those of `infmoe-export bench` (report/bench.py).
 """
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from infmoe_export.export import export_onnx
-from infmoe_export.files import atomic_write
+from infmoe_export.files import write_json
 from infmoe_export.model import InfMoEConfig, InfMoEGPT, coverage
 from infmoe_export.quant import BITS
 from infmoe_export.report.bench import measure, text_tokens
@@ -133,9 +132,7 @@ def write(path, bandwidth, args, rows):
     result = {"environment": environment(), "bandwidth": bandwidth, "targets": TARGETS,
               "config": {"small": SMALL.to_dict(), "medium_dense": MEDIUM_DENSE.to_dict(), "past": PAST,
                          "prefill": PREFILL, "warmup": args.warmup, "iters": args.iters}, "results": rows}
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, json.dumps(result, indent=2) + "\n")
+    write_json(path, result)
 
 
 def met(name: str, value: float) -> bool:

@@ -20,7 +20,6 @@ steal the two cores from the next session's call).
 """
 
 import argparse
-import json
 import pathlib
 import statistics
 
@@ -31,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench_qop import interleaved, median_ratio, session
 from infmoe_export.export.function import qmatmul_model
-from infmoe_export.files import atomic_write
+from infmoe_export.files import write_json
 from infmoe_export.quant import pack_blocks, quantize
 
 K, BLOCK, PREFILL = 768, 32, 512
@@ -134,9 +133,7 @@ def main():
         print(f"  int{row['bits']} {row['threads']} thread(s): QMatMul {ms['qmatmul']:.2f} ms, MatMulNBits {ms['nbits']:.2f},"
               f" fp32 {ms['fp32']:.2f}: {row['time_vs_nbits']:.2f}, {row['time_vs_fp32']:.2f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.json, json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+        print(f"\nwrote {write_json(args.json, results)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ pool, whose spinning threads would steal the two cores from the next session's c
 """
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -36,7 +35,7 @@ from onnx import TensorProto, helper
 from bench_op import D, H, LAYERS, R, make_starts, union_rows
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, n_blocks, packed_columns
-from infmoe_export.files import atomic_write
+from infmoe_export.files import write_json
 from infmoe_export.runtimes import ort_kernel
 
 BLOCK = 32
@@ -214,9 +213,7 @@ def main():
 
     print_targets(results)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.json, json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+        print(f"\nwrote {write_json(args.json, results)}")
 
 
 if __name__ == "__main__":

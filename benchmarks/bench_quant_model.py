@@ -32,7 +32,6 @@ bench_decode's `settle` pause.
 
 import argparse
 import collections
-import json
 import logging
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from bench_decode import Decoder, MatMulBandwidth, settle  # noqa: E402
 from bench_ort import BLOCK, MEDIUM_DENSE, SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import ExportedModel  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
-from infmoe_export.files import atomic_write  # noqa: E402
+from infmoe_export.files import write_json  # noqa: E402
 from infmoe_export.model import InfMoEGPT  # noqa: E402
 from infmoe_export.report.bench import text_tokens  # noqa: E402
 from infmoe_export.report.memory import files_of, measure_child  # noqa: E402
@@ -213,7 +212,7 @@ def main():
                 result["memory"] = memory_rows(small, scratch, k, args.threads, paths)
             for path in paths.values():
                 path.unlink()
-            write(args.json, result)  # after every K, so a long run keeps what it measured
+            write_json(args.json, result)  # after every K, so a long run keeps what it measured
     print_summary(result)
     print(f"results: {args.json}")
 
@@ -232,12 +231,6 @@ def summarise(model, k, decode, prefill, read_gbs):
                        "vs_dense_medium_int4": {p: decode["dense-medium-int4"] / decode[p]
                                                 for p in ("int4", "all-int4")},
                        "prefill_vs_fp32": {p: prefill["fp32"] / prefill[p] for p in PRECISIONS if p != "fp32"}}}
-
-
-def write(path, result):
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, json.dumps(result, indent=2) + "\n")
 
 
 def verdict(goal: str, value: float) -> str:

@@ -4,6 +4,7 @@ make, and checksums for manifests and caches."""
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -28,6 +29,14 @@ def atomic_write(path: Union[str, os.PathLike], data: Union[str, bytes]) -> Path
         os.unlink(temp)
         raise
     return path
+
+
+def write_json(path: Union[str, os.PathLike], data) -> Path:
+    """data as indented JSON at path (its folder made if missing), written with atomic_write: a
+    benchmark's results file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, json.dumps(data, indent=2) + "\n")
 
 
 def sha256(*paths: Union[str, os.PathLike], prefix: bytes = b"") -> str:
