@@ -759,24 +759,25 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
 MatrixView Rows(const FloatRows<float>& w, int64_t lo, int64_t hi, RowMatrix&) {
   return {w.w + lo * w.d, hi - lo, w.d};
 }
+// Row i of w as d floats (w' for quantized rows).
+template <class Format>
+void DequantizeRow(const Format& w, int64_t i, float* dst) {
+  constexpr int W = Format::kWidth;
+  const typename Format::Row row = w.At(i);
+  for (int64_t u = 0; u < (w.d + W - 1) / W; ++u) {
+    const int64_t n = std::min<int64_t>(W, w.d - u * W);
+    const Lanes<W> v = Dequantized(w, row, u, n);
+    if (n == W) {  // a constant size: one store, not a call to memcpy
+      std::memcpy(dst + u * W, &v, sizeof v);
+    } else {
+      std::memcpy(dst + u * W, &v, n * sizeof(float));
+    }
+  }
+}
 template <class Format>
 MatrixView Rows(const Format& w, int64_t lo, int64_t hi, RowMatrix& scratch) {
   scratch.resize(hi - lo, w.d);
-  constexpr int W = Format::kWidth;
-  const int64_t units = (w.d + W - 1) / W;
-  for (int64_t i = lo; i < hi; ++i) {
-    const typename Format::Row row = w.At(i);
-    float* dst = scratch.row(i - lo).data();
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t n = std::min<int64_t>(W, w.d - u * W);
-      const Lanes<W> v = Dequantized(w, row, u, n);
-      if (n == W) {  // a constant size: one store, not a call to memcpy
-        std::memcpy(dst + u * W, &v, sizeof v);
-      } else {
-        std::memcpy(dst + u * W, &v, n * sizeof(float));
-      }
-    }
-  }
+  for (int64_t i = lo; i < hi; ++i) DequantizeRow(w, i, scratch.row(i - lo).data());
   return {scratch.data(), hi - lo, w.d};
 }
 
@@ -851,7 +852,6 @@ void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 
 // At least this many work items a call: a 768-row matrix still splits evenly over 2 or 4 threads.
 constexpr int64_t kMatMulItems = 8;
-constexpr int64_t kMatMulGroupTokens = 1024;  // prefill: tokens per GEMM
 
 // Few tokens: each work item a fixed range of rows, read once for all tokens (the range stays in
 // cache between them). Every dot is one row's own sum, so no split changes a bit.
@@ -874,26 +874,68 @@ void DecodeMatMul(const MatMulSizes& s, const T* x, const Format& format, T* y, 
   });
 }
 
-// Many tokens: per block of kHiddenBlock rows, dequantized once into scratch, a GEMM per group of
-// kGroupTokens tokens.
+// Many tokens: a GEMM of our own, which takes its right-hand side as dequantized rows (Eigen
+// packs them once more: 1.14-1.26x the time of onnxruntime's MLAS on a prepacked float weight;
+// docs/onnxruntime-kernel.md). x is packed once per call with tokens across the lanes: tile t,
+// column c, lane l = x[kTileTokens t + l, c] (zero past the last token). A work item is kStrips
+// strips of kStripRows rows, dequantized into scratch that stays in cache; per tile and strip one
+// register block of kTileTokens x kStripRows sums runs over all k in column order: every output
+// is its row's own sum, bitwise the same for any number of threads.
+constexpr int kMatMulLanes = kWide;
+constexpr int kTileVectors = 2;  // 3 x 8 and 4 x 6 (x 16 lanes) were no faster, 1 x 28 spilled
+constexpr int kTileTokens = kTileVectors * kMatMulLanes;
+constexpr int kStripRows = kMatMulLanes == 16 ? 12 : 6;  // 24 or 12 accumulators: the registers
+constexpr int64_t kStrips = 4;
+
+// out[n][l] = tile token l . strip row n over k columns (tile: [k][kTileTokens]; strip:
+// kStripRows rows of k floats), in column order. Blocking k (128 or 256 columns, the partial sums
+// kept in memory) was no faster.
+inline void MatMulTile(const float* tile, const float* strip, int64_t k, float (*out)[kTileTokens]) {
+  constexpr int W = kMatMulLanes;
+  // Indexed, but fully unrolled, so GCC keeps them in registers.
+  Lanes<W> acc[kTileVectors][kStripRows];
+#pragma GCC unroll 16
+  for (int n = 0; n < kStripRows; ++n)
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) acc[v][n] = Lanes<W>{};
+  for (int64_t c = 0; c < k; ++c) {
+    Lanes<W> a[kTileVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) a[v] = ToLanes<W>(tile + c * kTileTokens + v * W);
+#pragma GCC unroll 16
+    for (int n = 0; n < kStripRows; ++n) {
+      const float b = strip[n * k + c];
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVectors; ++v) acc[v][n] += a[v] * b;
+    }
+  }
+#pragma GCC unroll 16
+  for (int n = 0; n < kStripRows; ++n)
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) std::memcpy(out[n] + v * W, &acc[v][n], sizeof acc[v][n]);
+}
+
 template <typename T, class Format>
 void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
-  RowMatrix xf(s.tokens, s.k);
-  for (int64_t t = 0; t < s.tokens; ++t) xf.row(t) = ToVector(x + t * s.k, s.k).transpose();
-  int64_t blocks = (s.n + kHiddenBlock - 1) / kHiddenBlock;
-  blocks += blocks > 1 && blocks % 2;  // an even number: two threads get equal halves
-  parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
-    const int64_t lo = s.n * static_cast<int64_t>(block) / blocks, hi = s.n * (static_cast<int64_t>(block) + 1) / blocks;
-    RowMatrix scratch, out;
-    const MatrixView rows = Rows(w, lo, hi, scratch);
-    for (int64_t begin = 0; begin < s.tokens; begin += kMatMulGroupTokens) {
-      const int64_t n = std::min(kMatMulGroupTokens, s.tokens - begin);
-      out.noalias() = xf.middleRows(begin, n) * rows.transpose();
-      if constexpr (std::is_same_v<T, float>) {
-        Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>(y + begin * s.n + lo, n, hi - lo, Eigen::OuterStride<>(s.n)) = out;
-      } else {
-        for (int64_t t = 0; t < n; ++t) {
-          for (int64_t j = lo; j < hi; ++j) FromFloat(out(t, j - lo), y + (begin + t) * s.n + j);
+  const int64_t tiles = (s.tokens + kTileTokens - 1) / kTileTokens;
+  std::vector<float> packed(tiles * s.k * kTileTokens, 0.0f);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    float* dst = &packed[t / kTileTokens * s.k * kTileTokens + t % kTileTokens];
+    for (int64_t c = 0; c < s.k; ++c) dst[c * kTileTokens] = ToFloat(x[t * s.k + c]);
+  }
+  constexpr int64_t kItemRows = kStrips * kStripRows;
+  parallel_for(static_cast<size_t>((s.n + kItemRows - 1) / kItemRows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * kItemRows, rows = std::min(kItemRows, s.n - lo);
+    std::vector<float> strips(kItemRows * s.k, 0.0f);  // rows past the matrix stay zero
+    for (int64_t i = 0; i < rows; ++i) DequantizeRow(w, lo + i, &strips[i * s.k]);
+    alignas(64) float out[kStripRows][kTileTokens];
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t first = tile * kTileTokens, tokens = std::min<int64_t>(kTileTokens, s.tokens - first);
+      for (int64_t strip = 0; strip * kStripRows < rows; ++strip) {
+        MatMulTile(&packed[tile * s.k * kTileTokens], &strips[strip * kStripRows * s.k], s.k, out);
+        const int64_t row = lo + strip * kStripRows, n = std::min<int64_t>(kStripRows, s.n - row);
+        for (int64_t l = 0; l < tokens; ++l) {
+          for (int64_t j = 0; j < n; ++j) FromFloat(out[j][l], y + (first + l) * s.n + row + j);
         }
       }
     }
