@@ -781,6 +781,86 @@ MatrixView Rows(const Format& w, int64_t lo, int64_t hi, RowMatrix& scratch) {
   return {scratch.data(), hi - lo, w.d};
 }
 
+// The GEMMs of prefill, our own rather than Eigen's: it takes the weights as they lie (float rows)
+// or as dequantized into scratch, where Eigen packs them once more (QMatMul took 1.14-1.26x the
+// time of onnxruntime's MLAS on a prepacked float weight with Eigen, ~1.0x with this;
+// docs/onnxruntime-kernel.md). The tokens are packed once, across the lanes (PackTokens); per
+// tile of kTileTokens tokens and strip of kStripColumns output columns, one register block of
+// sums runs over the whole depth in order: every output is its own sum, bitwise the same
+// for any number of threads.
+constexpr int kGemmLanes = kWide;
+constexpr int kTileVectors = 2;  // 3 x 8 and 4 x 6 (x 16 lanes) were no faster, 1 x 28 spilled
+constexpr int kTileTokens = kTileVectors * kGemmLanes;
+constexpr int kStripColumns = kGemmLanes == 16 ? 12 : 6;  // 24 or 12 accumulators: the registers
+
+// v [tokens, depth] (rows ld apart) as tiles: tile t, column c, lane l = v[kTileTokens t + l, c],
+// zero past the last token.
+template <typename T>
+std::vector<float> PackTokens(const T* v, int64_t tokens, int64_t depth, int64_t ld) {
+  std::vector<float> packed((tokens + kTileTokens - 1) / kTileTokens * depth * kTileTokens, 0.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* dst = &packed[t / kTileTokens * depth * kTileTokens + t % kTileTokens];
+    for (int64_t c = 0; c < depth; ++c) dst[c * kTileTokens] = ToFloat(v[t * ld + c]);
+  }
+  return packed;
+}
+
+// out[j][l] = tile token l . B column j over depth, B(j, c) = b[j][c] (kRows: b's rows, ld apart,
+// as in x . w^T) or b[c][j] (x . w, w's rows ld apart).
+template <bool kRows>
+inline void GemmTile(const float* tile, const float* b, int64_t ld, int64_t depth, float (*out)[kTileTokens]) {
+  constexpr int W = kGemmLanes;
+  // Indexed, but fully unrolled, so GCC keeps them in registers.
+  Lanes<W> acc[kTileVectors][kStripColumns];
+#pragma GCC unroll 16
+  for (int j = 0; j < kStripColumns; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) acc[v][j] = Lanes<W>{};
+  for (int64_t c = 0; c < depth; ++c) {
+    Lanes<W> a[kTileVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) a[v] = ToLanes<W>(tile + c * kTileTokens + v * W);
+#pragma GCC unroll 16
+    for (int j = 0; j < kStripColumns; ++j) {
+      const float factor = kRows ? b[j * ld + c] : b[c * ld + j];
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVectors; ++v) acc[v][j] += a[v] * factor;
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < kStripColumns; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) std::memcpy(out[j] + v * W, &acc[v][j], sizeof acc[v][j]);
+}
+
+// y[t, j] = packed token t . B column j for t < tokens, j < columns (B as in GemmTile), y's rows
+// ldy apart, each output through store(value, pointer). A last, partial strip is read from a
+// zero-padded copy: never past B's end.
+template <bool kRows, typename Y, typename Store>
+void Gemm(const std::vector<float>& packed, int64_t tokens, int64_t depth, const float* b, int64_t ld,
+          int64_t columns, Y* y, int64_t ldy, Store store) {
+  const int64_t full = columns / kStripColumns * kStripColumns, rest = columns - full;
+  std::vector<float> last(rest ? kStripColumns * depth : 0, 0.0f);  // kRows: [strip][depth], else [depth][strip]
+  for (int64_t j = 0; j < rest; ++j) {
+    for (int64_t c = 0; c < depth; ++c) (kRows ? last[j * depth + c] : last[c * kStripColumns + j]) = kRows ? b[(full + j) * ld + c] : b[c * ld + full + j];
+  }
+  alignas(64) float out[kStripColumns][kTileTokens];
+  for (int64_t first = 0; first < tokens; first += kTileTokens) {
+    const float* tile = &packed[first * depth];
+    for (int64_t j0 = 0; j0 < columns; j0 += kStripColumns) {
+      if (j0 < full) {
+        GemmTile<kRows>(tile, kRows ? b + j0 * ld : b + j0, ld, depth, out);
+      } else {
+        GemmTile<kRows>(tile, last.data(), kRows ? depth : kStripColumns, depth, out);
+      }
+      const int64_t n = std::min<int64_t>(kStripColumns, columns - j0);
+      for (int64_t l = 0; l < std::min<int64_t>(kTileTokens, tokens - first); ++l) {
+        for (int64_t j = 0; j < n; ++j) store(out[j][l], y + (first + l) * ldy + j0 + j);
+      }
+    }
+  }
+}
+
 template <typename T>
 Vector ToVector(const T* v, int64_t n) {
   Vector out(n);
@@ -813,6 +893,7 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
       AddWindows(starts + t * s.k, s.k, s.r, windows);
     }
     yg = bias_out.transpose().replicate(n, 1);
+    const std::vector<float> packed_x = PackTokens(xg.data(), n, s.d, s.d);
     for (const Range& range : Merged(std::move(windows), kMergeGap)) {
       // One work item per block of hidden units: GEMM, bias, GELU, coverage, then the block's
       // partial output (a second GEMM); partials are added in block order afterwards.
@@ -822,12 +903,14 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
       parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
         const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
         const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
-        RowMatrix scratch, hidden;
-        hidden.noalias() = xg * Rows(w_in, lo, hi, scratch).transpose();
+        const auto assign = [](float v, float* dst) { *dst = v; };
+        RowMatrix scratch, hidden(n, hi - lo);
+        Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch).data(), s.d, hi - lo, hidden.data(), hi - lo, assign);
         hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
         GeluTanh(hidden.array());
         hidden.array() *= coverage.middleCols(lo, hi - lo).array();
-        partials.middleRows(static_cast<Index>(block) * n, n).noalias() = hidden * Rows(w_out, lo, hi, scratch);
+        Gemm<false>(PackTokens(hidden.data(), n, hi - lo, hi - lo), n, hi - lo, Rows(w_out, lo, hi, scratch).data(), s.d,
+                    s.d, partials.row(static_cast<Index>(block) * n).data(), s.d, assign);
       });
       for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
     }
@@ -852,6 +935,7 @@ void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 
 // At least this many work items a call: a 768-row matrix still splits evenly over 2 or 4 threads.
 constexpr int64_t kMatMulItems = 8;
+constexpr int64_t kMatMulRows = 48;  // prefill: rows per work item (4 strips; scratch in cache)
 
 // Few tokens: each work item a fixed range of rows, read once for all tokens (the range stays in
 // cache between them). Every dot is one row's own sum, so no split changes a bit.
@@ -874,71 +958,16 @@ void DecodeMatMul(const MatMulSizes& s, const T* x, const Format& format, T* y, 
   });
 }
 
-// Many tokens: a GEMM of our own, which takes its right-hand side as dequantized rows (Eigen
-// packs them once more: 1.14-1.26x the time of onnxruntime's MLAS on a prepacked float weight;
-// docs/onnxruntime-kernel.md). x is packed once per call with tokens across the lanes: tile t,
-// column c, lane l = x[kTileTokens t + l, c] (zero past the last token). A work item is kStrips
-// strips of kStripRows rows, dequantized into scratch that stays in cache; per tile and strip one
-// register block of kTileTokens x kStripRows sums runs over all k in column order: every output
-// is its row's own sum, bitwise the same for any number of threads.
-constexpr int kMatMulLanes = kWide;
-constexpr int kTileVectors = 2;  // 3 x 8 and 4 x 6 (x 16 lanes) were no faster, 1 x 28 spilled
-constexpr int kTileTokens = kTileVectors * kMatMulLanes;
-constexpr int kStripRows = kMatMulLanes == 16 ? 12 : 6;  // 24 or 12 accumulators: the registers
-constexpr int64_t kStrips = 4;
-
-// out[n][l] = tile token l . strip row n over k columns (tile: [k][kTileTokens]; strip:
-// kStripRows rows of k floats), in column order. Blocking k (128 or 256 columns, the partial sums
-// kept in memory) was no faster.
-inline void MatMulTile(const float* tile, const float* strip, int64_t k, float (*out)[kTileTokens]) {
-  constexpr int W = kMatMulLanes;
-  // Indexed, but fully unrolled, so GCC keeps them in registers.
-  Lanes<W> acc[kTileVectors][kStripRows];
-#pragma GCC unroll 16
-  for (int n = 0; n < kStripRows; ++n)
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVectors; ++v) acc[v][n] = Lanes<W>{};
-  for (int64_t c = 0; c < k; ++c) {
-    Lanes<W> a[kTileVectors];
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVectors; ++v) a[v] = ToLanes<W>(tile + c * kTileTokens + v * W);
-#pragma GCC unroll 16
-    for (int n = 0; n < kStripRows; ++n) {
-      const float b = strip[n * k + c];
-#pragma GCC unroll 4
-      for (int v = 0; v < kTileVectors; ++v) acc[v][n] += a[v] * b;
-    }
-  }
-#pragma GCC unroll 16
-  for (int n = 0; n < kStripRows; ++n)
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVectors; ++v) std::memcpy(out[n] + v * W, &acc[v][n], sizeof acc[v][n]);
-}
-
+// Many tokens: per work item of kMatMulRows rows, dequantized once into scratch, one Gemm.
 template <typename T, class Format>
 void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
-  const int64_t tiles = (s.tokens + kTileTokens - 1) / kTileTokens;
-  std::vector<float> packed(tiles * s.k * kTileTokens, 0.0f);
-  for (int64_t t = 0; t < s.tokens; ++t) {
-    float* dst = &packed[t / kTileTokens * s.k * kTileTokens + t % kTileTokens];
-    for (int64_t c = 0; c < s.k; ++c) dst[c * kTileTokens] = ToFloat(x[t * s.k + c]);
-  }
-  constexpr int64_t kItemRows = kStrips * kStripRows;
-  parallel_for(static_cast<size_t>((s.n + kItemRows - 1) / kItemRows), [&](size_t item) {
-    const int64_t lo = static_cast<int64_t>(item) * kItemRows, rows = std::min(kItemRows, s.n - lo);
-    std::vector<float> strips(kItemRows * s.k, 0.0f);  // rows past the matrix stay zero
-    for (int64_t i = 0; i < rows; ++i) DequantizeRow(w, lo + i, &strips[i * s.k]);
-    alignas(64) float out[kStripRows][kTileTokens];
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t first = tile * kTileTokens, tokens = std::min<int64_t>(kTileTokens, s.tokens - first);
-      for (int64_t strip = 0; strip * kStripRows < rows; ++strip) {
-        MatMulTile(&packed[tile * s.k * kTileTokens], &strips[strip * kStripRows * s.k], s.k, out);
-        const int64_t row = lo + strip * kStripRows, n = std::min<int64_t>(kStripRows, s.n - row);
-        for (int64_t l = 0; l < tokens; ++l) {
-          for (int64_t j = 0; j < n; ++j) FromFloat(out[j][l], y + (first + l) * s.n + row + j);
-        }
-      }
-    }
+  const std::vector<float> packed = PackTokens(x, s.tokens, s.k, s.k);
+  parallel_for(static_cast<size_t>((s.n + kMatMulRows - 1) / kMatMulRows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * kMatMulRows, rows = std::min(kMatMulRows, s.n - lo);
+    RowMatrix scratch;
+    const MatrixView w_rows = Rows(w, lo, lo + rows, scratch);
+    Gemm<true>(packed, s.tokens, s.k, w_rows.data(), s.k, rows, y + lo, s.n,
+               [](float v, T* dst) { FromFloat(v, dst); });
   });
 }
 
