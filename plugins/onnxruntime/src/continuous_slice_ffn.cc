@@ -8,10 +8,11 @@
 //    once the same way (into the chunk's partial output); partials are summed in chunk order.
 //    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
 //    on whole registers of floats and nothing is converted or copied outside them.
-//  * prefill (many tokens): tokens sorted by window position and grouped; per group, blocked
-//    GEMMs (Eigen) over the row ranges any of its tokens cover, weighted by coverage, split over
-//    fixed blocks of hidden units whose partial outputs are summed in block order. A block of
-//    half or quantized rows is first converted into float scratch that stays in cache.
+//  * prefill (many tokens): tokens sorted by window position and grouped; per group, GEMMs
+//    (Gemm: register blocks over the tokens, packed once) over the row ranges any of its tokens
+//    cover, weighted by coverage, split over fixed blocks of hidden units whose partial outputs
+//    are summed in block order. A block of half or quantized rows is first converted into float
+//    scratch that stays in cache.
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
