@@ -843,7 +843,13 @@ void Gemm(const std::vector<float>& packed, int64_t tokens, int64_t depth, const
   const int64_t full = columns / kStripColumns * kStripColumns, rest = columns - full;
   std::vector<float> last(rest ? kStripColumns * depth : 0, 0.0f);  // kRows: [strip][depth], else [depth][strip]
   for (int64_t j = 0; j < rest; ++j) {
-    for (int64_t c = 0; c < depth; ++c) (kRows ? last[j * depth + c] : last[c * kStripColumns + j]) = kRows ? b[(full + j) * ld + c] : b[c * ld + full + j];
+    for (int64_t c = 0; c < depth; ++c) {
+      if constexpr (kRows) {
+        last[j * depth + c] = b[(full + j) * ld + c];
+      } else {
+        last[c * kStripColumns + j] = b[c * ld + full + j];
+      }
+    }
   }
   alignas(64) float out[kStripColumns][kTileTokens];
   for (int64_t first = 0; first < tokens; first += kTileTokens) {
