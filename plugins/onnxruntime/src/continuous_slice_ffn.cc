@@ -47,7 +47,6 @@ namespace {
 
 using Index = Eigen::Index;
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using MatrixView = Eigen::Map<const RowMatrix>;
 using Vector = Eigen::VectorXf;
 
 // W floats as a GCC/Clang vector (one register of the variant). Each weight format picks its
@@ -756,10 +755,8 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
 
 // ---- prefill ------------------------------------------------------------------------------------
 
-// Rows [lo, hi) as a float matrix: a view of float data, or converted into scratch.
-MatrixView Rows(const FloatRows<float>& w, int64_t lo, int64_t hi, RowMatrix&) {
-  return {w.w + lo * w.d, hi - lo, w.d};
-}
+// Rows [lo, hi) as floats, d apart: the float data itself, or converted into scratch.
+const float* Rows(const FloatRows<float>& w, int64_t lo, int64_t, RowMatrix&) { return w.w + lo * w.d; }
 // Row i of w as d floats (w' for quantized rows).
 template <class Format>
 void DequantizeRow(const Format& w, int64_t i, float* dst) {
@@ -776,10 +773,10 @@ void DequantizeRow(const Format& w, int64_t i, float* dst) {
   }
 }
 template <class Format>
-MatrixView Rows(const Format& w, int64_t lo, int64_t hi, RowMatrix& scratch) {
+const float* Rows(const Format& w, int64_t lo, int64_t hi, RowMatrix& scratch) {
   scratch.resize(hi - lo, w.d);
   for (int64_t i = lo; i < hi; ++i) DequantizeRow(w, i, scratch.row(i - lo).data());
-  return {scratch.data(), hi - lo, w.d};
+  return scratch.data();
 }
 
 // The GEMMs of prefill, our own rather than Eigen's: it takes the weights as they lie (float rows)
@@ -794,14 +791,15 @@ constexpr int kTileVectors = 2;  // 3 x 8 and 4 x 6 (x 16 lanes) were no faster,
 constexpr int kTileTokens = kTileVectors * kGemmLanes;
 constexpr int kStripColumns = kGemmLanes == 16 ? 12 : 6;  // 24 or 12 accumulators: the registers
 
-// v [tokens, depth] (rows ld apart) as tiles: tile t, column c, lane l = v[kTileTokens t + l, c],
-// zero past the last token.
-template <typename T>
-std::vector<float> PackTokens(const T* v, int64_t tokens, int64_t depth, int64_t ld) {
+// Tokens t < tokens, row(t) their depth values (float or half), as tiles: tile i, column c,
+// lane l = row(kTileTokens i + l)[c], zero past the last token.
+template <typename Row>
+std::vector<float> PackTokens(int64_t tokens, int64_t depth, Row row) {
   std::vector<float> packed((tokens + kTileTokens - 1) / kTileTokens * depth * kTileTokens, 0.0f);
   for (int64_t t = 0; t < tokens; ++t) {
     float* dst = &packed[t / kTileTokens * depth * kTileTokens + t % kTileTokens];
-    for (int64_t c = 0; c < depth; ++c) dst[c * kTileTokens] = ToFloat(v[t * ld + c]);
+    const auto* v = row(t);
+    for (int64_t c = 0; c < depth; ++c) dst[c * kTileTokens] = ToFloat(v[c]);
   }
   return packed;
 }
@@ -835,11 +833,11 @@ inline void GemmTile(const float* tile, const float* b, int64_t ld, int64_t dept
 }
 
 // y[t, j] = packed token t . B column j for t < tokens, j < columns (B as in GemmTile), y's rows
-// ldy apart, each output through store(value, pointer). A last, partial strip is read from a
-// zero-padded copy: never past B's end.
-template <bool kRows, typename Y, typename Store>
+// ldy apart, float or half. A last, partial strip is read from a zero-padded copy: never past
+// B's end.
+template <bool kRows, typename Y>
 void Gemm(const std::vector<float>& packed, int64_t tokens, int64_t depth, const float* b, int64_t ld,
-          int64_t columns, Y* y, int64_t ldy, Store store) {
+          int64_t columns, Y* y, int64_t ldy) {
   const int64_t full = columns / kStripColumns * kStripColumns, rest = columns - full;
   std::vector<float> last(rest ? kStripColumns * depth : 0, 0.0f);  // kRows: [strip][depth], else [depth][strip]
   for (int64_t j = 0; j < rest; ++j) {
@@ -862,7 +860,7 @@ void Gemm(const std::vector<float>& packed, int64_t tokens, int64_t depth, const
       }
       const int64_t n = std::min<int64_t>(kStripColumns, columns - j0);
       for (int64_t l = 0; l < std::min<int64_t>(kTileTokens, tokens - first); ++l) {
-        for (int64_t j = 0; j < n; ++j) store(out[j][l], y + (first + l) * ldy + j0 + j);
+        for (int64_t j = 0; j < n; ++j) FromFloat(out[j][l], y + (first + l) * ldy + j0 + j);
       }
     }
   }
@@ -887,20 +885,18 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 
   const Vector bias_in = ToVector(b_in, s.h);
   const Vector bias_out = ToVector(b_out, s.d);
-  RowMatrix xg, coverage, yg, partials;
+  RowMatrix coverage, yg, partials;
   for (int64_t begin = 0; begin < s.tokens; begin += kGroupTokens) {
     const int64_t n = std::min(kGroupTokens, s.tokens - begin);
-    xg.resize(n, s.d);
     coverage.resize(n, s.h);
     std::vector<Range> windows;
     for (int64_t g = 0; g < n; ++g) {
       const int64_t t = order[begin + g];
-      xg.row(g) = ToVector(x + t * s.d, s.d).transpose();
       Coverage(starts + t * s.k, s.k, s.r, 0, s.h, coverage.row(g).data());
       AddWindows(starts + t * s.k, s.k, s.r, windows);
     }
     yg = bias_out.transpose().replicate(n, 1);
-    const std::vector<float> packed_x = PackTokens(xg.data(), n, s.d, s.d);
+    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + order[begin + g] * s.d; });
     for (const Range& range : Merged(std::move(windows), kMergeGap)) {
       // One work item per block of hidden units: GEMM, bias, GELU, coverage, then the block's
       // partial output (a second GEMM); partials are added in block order afterwards.
@@ -910,14 +906,13 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
       parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
         const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
         const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
-        const auto assign = [](float v, float* dst) { *dst = v; };
         RowMatrix scratch, hidden(n, hi - lo);
-        Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch).data(), s.d, hi - lo, hidden.data(), hi - lo, assign);
+        Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
         hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
         GeluTanh(hidden.array());
         hidden.array() *= coverage.middleCols(lo, hi - lo).array();
-        Gemm<false>(PackTokens(hidden.data(), n, hi - lo, hi - lo), n, hi - lo, Rows(w_out, lo, hi, scratch).data(), s.d,
-                    s.d, partials.row(static_cast<Index>(block) * n).data(), s.d, assign);
+        Gemm<false>(PackTokens(n, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), n, hi - lo,
+                    Rows(w_out, lo, hi, scratch), s.d, s.d, partials.row(static_cast<Index>(block) * n).data(), s.d);
       });
       for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
     }
@@ -968,13 +963,11 @@ void DecodeMatMul(const MatMulSizes& s, const T* x, const Format& format, T* y, 
 // Many tokens: per work item of kMatMulRows rows, dequantized once into scratch, one Gemm.
 template <typename T, class Format>
 void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
-  const std::vector<float> packed = PackTokens(x, s.tokens, s.k, s.k);
+  const std::vector<float> packed = PackTokens(s.tokens, s.k, [&](int64_t t) { return x + t * s.k; });
   parallel_for(static_cast<size_t>((s.n + kMatMulRows - 1) / kMatMulRows), [&](size_t item) {
     const int64_t lo = static_cast<int64_t>(item) * kMatMulRows, rows = std::min(kMatMulRows, s.n - lo);
     RowMatrix scratch;
-    const MatrixView w_rows = Rows(w, lo, lo + rows, scratch);
-    Gemm<true>(packed, s.tokens, s.k, w_rows.data(), s.k, rows, y + lo, s.n,
-               [](float v, T* dst) { FromFloat(v, dst); });
+    Gemm<true>(packed, s.tokens, s.k, Rows(w, lo, lo + rows, scratch), s.k, rows, y + lo, s.n);
   });
 }
 
