@@ -66,7 +66,7 @@ def test_each_target_matches_the_reference(model, exports, target):
     assert report.start_agreement > 0.9
     ops = _ops(exported.path)
     if target == "onnxruntime":
-        assert ops[("com.microsoft", "GroupQueryAttention")] == CONFIG.n_layer
+        assert ops[("infmoe", "DecoderAttention")] == CONFIG.n_layer
         assert _without_constant_transpose(ops) == _ort_target_ops(CONFIG.n_layer)
     else:  # standard ops and the expert op only: today's graph
         assert {domain for domain, _ in ops} == {"", "infmoe"}
@@ -75,7 +75,7 @@ def test_each_target_matches_the_reference(model, exports, target):
 
 # The onnxruntime target's nodes (docs/export.md, Targets): every node costs a decode step
 # ~0.3-0.7 µs in onnxruntime, so the graph must not grow back.
-PER_LAYER = {("", "MatMul"): 3, ("", "Add"): 3, ("com.microsoft", "GroupQueryAttention"): 1,
+PER_LAYER = {("", "MatMul"): 3, ("", "Add"): 3, ("infmoe", "DecoderAttention"): 1,
              ("com.microsoft", "SkipLayerNormalization"): 2, ("", "Split"): 1, ("", "Softplus"): 1, ("", "Mul"): 2,
              ("", "Sigmoid"): 1, ("", "Clip"): 1, ("", "Cast"): 1, ("infmoe", "ContinuousSliceFFN"): 1}
 ONCE = {("", "Shape"): 2, ("", "Neg"): 1, ("", "CumSum"): 1, ("", "Slice"): 1, ("", "ArgMax"): 1, ("", "Cast"): 3,
@@ -113,8 +113,8 @@ def test_the_onnxruntime_target_keeps_its_node_count(exports, tmp_path):
 def test_export_variants_on_the_onnxruntime_target(model, tmp_path, options):
     exported = export_onnx(model, tmp_path / "m.onnx", target="onnxruntime", **{"k": 2, **options})
     validate_onnx(model, exported, kernel=False)
-    names = [n.name for n in onnx.load(str(exported.path)).graph.node if n.op_type == "GroupQueryAttention"]
-    assert names == [f"/h.{i}.attn/GroupQueryAttention" for i in range(CONFIG.n_layer)]
+    names = [n.name for n in onnx.load(str(exported.path)).graph.node if n.op_type == "DecoderAttention"]
+    assert names == [f"/h.{i}.attn/DecoderAttention" for i in range(CONFIG.n_layer)]
 
 
 def test_files_without_a_target_are_portable(exports, tmp_path):

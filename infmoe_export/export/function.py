@@ -21,6 +21,8 @@ different widths, which cannot be stacked: onnxruntime fails there, as for unbro
 `infmoe::QMatMul` (the onnxruntime target's quantized attention and LM head, docs/quantization.md)
 has onnxruntime's own MatMulNBits as its body: same inputs, attributes and storage, so an
 onnxruntime without our kernel runs exactly the node it would have run without the op.
+`infmoe::DecoderAttention` (the onnxruntime target's attention, docs/onnxruntime-kernel.md) has
+GroupQueryAttention as its body in the same way.
 """
 
 import math
@@ -34,6 +36,8 @@ from onnxscript import opset18 as op
 from ..contract import DOMAIN, OP_TYPE, OP_VERSION
 from ..model import GELU_TANH_C, GELU_TANH_CUBIC
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QMATMUL_OP_TYPE
+
+ATTENTION_OP_TYPE = "DecoderAttention"
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
 contrib = values.Opset("com.microsoft", 1)
@@ -143,8 +147,17 @@ def QMatMul(A, B, scales, K: int, N: int, bits: int, block_size: int):
     return contrib.MatMulNBits(A, B, scales, K=K, N=N, bits=bits, block_size=block_size)
 
 
+@script(infmoe, default_opset=op)
+def DecoderAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, num_heads: int):
+    # GroupQueryAttention's inputs 1, 2 (separate key and value) and 7-9 (rotary) stay empty.
+    y, present_key, present_value = contrib.GroupQueryAttention(
+        qkv, None, None, past_key, past_value, seqlens_k, total_sequence_length, None, None, None, attention_bias,
+        num_heads=num_heads, kv_num_heads=num_heads)
+    return y, present_key, present_value
+
+
 FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN),
-             QMATMUL_OP_TYPE: (QMatMul,)}
+             QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,)}
 
 
 def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
@@ -194,4 +207,21 @@ def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "floa
     graph = helper.make_graph([node], "q_matmul", inputs, [helper.make_tensor_value_info("Y", elem, None)])
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
     functions = [QMatMul.to_function_proto()] if with_function else []
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+
+
+def attention_model(num_heads: int, with_function: bool = False, past: bool = True):
+    """A one-node model of `infmoe::DecoderAttention` (every input of free shape; past: with the
+    optional past_key and past_value): tests, fuzzing, benchmarks; with_function attaches its
+    fallback (GroupQueryAttention)."""
+    names = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "attention_bias"]
+    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
+    used = [n for n in names if past or not n.startswith("past")]
+    inputs = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in used]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present_key", "present_value")]
+    node = helper.make_node(ATTENTION_OP_TYPE, [n if n in used else "" for n in names], [o.name for o in outputs],
+                            domain=DOMAIN, num_heads=num_heads)
+    graph = helper.make_graph([node], "decoder_attention", inputs, outputs)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
+    functions = [DecoderAttention.to_function_proto()] if with_function else []
     return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

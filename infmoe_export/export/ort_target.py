@@ -7,8 +7,10 @@ expert op, `window_starts` included) but writes each layer as
 
     qkv      = MatMul + Add                                           (one per layer)
     attn, present.i.key, present.i.value =
-               com.microsoft GroupQueryAttention(qkv packed, past.i.key, past.i.value,
-                                                 seqlens_k, total_sequence_length, attention_bias)
+               infmoe::DecoderAttention(qkv packed, past.i.key, past.i.value,
+                                        seqlens_k, total_sequence_length, attention_bias)
+               (com.microsoft GroupQueryAttention as its fallback function: the node onnxruntime
+               runs without our kernel library; docs/onnxruntime-kernel.md)
     ln_2, h  = com.microsoft SkipLayerNormalization(attn @ proj, x, ln_2, bias = proj.bias)
     router   = MatMul + Add (mu and sigma as one [D, 2] matrix, h.{i}.moe.router.weight) + Split,
                Softplus, Mul, Add, then window_starts without its Floor (Sigmoid, Mul, Clip, Cast:
@@ -16,7 +18,7 @@ expert op, `window_starts` included) but writes each layer as
     expert   = infmoe::ContinuousSliceFFN
     ln_1', x = SkipLayerNormalization(expert, h, next layer's ln_1 (ln_f after the last))
 
-GroupQueryAttention appends the new keys and values to the cache itself: with past and present
+The attention appends the new keys and values to the cache itself: with past and present
 bound to one buffer of n_positions (runtimes/ort.py `SharedCache`, onnxruntime-genai's
 `past_present_share_buffer`) it writes them in place, and nothing is copied; with a past of
 exactly past_sequence positions it returns a new present of past + sequence, like the portable
@@ -32,11 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contract import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, DecoderIO
+from ..contract import DOMAIN, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, DecoderIO
 from ..errors import InfMoEError
+from .function import ATTENTION_OP_TYPE
 
 MS_DOMAIN = "com.microsoft"
-# onnxruntime's GroupQueryAttention kernels refuse other head sizes at run time.
+# onnxruntime's GroupQueryAttention kernels (the attention's fallback) refuse other head sizes at run time.
 HEAD_DIM_MULTIPLE = 8
 
 
@@ -116,7 +119,7 @@ class OrtDecoder(nn.Module):
         sequence_length = _op("Shape", (input_ids,), (1,), torch.int64, start=1)
         positions = _op("Slice", (counts, -sequence_length, torch.tensor([_INT64_MAX]), torch.tensor([1])),
                         (batch, sequence), torch.int64)
-        # GroupQueryAttention's inputs: every row holds `total` positions in the cache (pads too,
+        # The attention's inputs: every row holds `total` positions in the cache (pads too,
         # masked below), so seqlens_k = total - 1 for each row: the last index of the maximum of
         # the (non-decreasing) counts.
         seqlens_k = _op("ArgMax", (counts,), (batch,), torch.int64, axis=1, keepdims=0,
@@ -136,9 +139,8 @@ class OrtDecoder(nn.Module):
             past_length = past[0].shape[2] if io.past else 0
             kv_shape = [batch, c.n_head, past_length + sequence, c.head_dim]
             y, key, value = torch.onnx.ops.symbolic_multi_out(
-                f"{MS_DOMAIN}::GroupQueryAttention",
-                (qkv, None, None, past[0], past[1], seqlens_k, total_length, None, None, None, attention_bias),
-                dict(num_heads=c.n_head, kv_num_heads=c.n_head),
+                f"{DOMAIN}::{ATTENTION_OP_TYPE}", (qkv, past[0], past[1], seqlens_k, total_length, attention_bias),
+                dict(num_heads=c.n_head),
                 dtypes=(qkv.dtype,) * 3, shapes=([batch, sequence, c.d_model], kv_shape, kv_shape), version=1)
             presents += [key, value]
             ln_2, h = _skip_layer_norm(F.linear(y, attn.proj.weight), x, block.ln_2, attn.proj.bias)
@@ -180,9 +182,9 @@ def _drop_floor(graph: ir.Graph):
 
 
 def finish_ort_graph(graph: ir.Graph):
-    """Name GroupQueryAttention's two length inputs as the contract does (one value each, shared
-    by every layer), and the nodes written here after their module, as the exporter names the
-    others: '/h.0.attn/GroupQueryAttention' (the layers in order), '/h.0.ln_2/
+    """Name the attention's two length inputs as the contract does (one value each, shared by
+    every layer), and the nodes written here after their module, as the exporter names the
+    others: '/h.0.attn/DecoderAttention' (the layers in order), '/h.0.ln_2/
     SkipLayerNormalization', '/h.0.attn.proj/MatMul' (from their first weight), the router's Split
     after the node before it. Drops window_starts' Floor first (`_drop_floor`)."""
     _drop_floor(graph)
@@ -199,9 +201,9 @@ def finish_ort_graph(graph: ir.Graph):
         used.add(name)
 
     for node in graph:
-        if node.domain == MS_DOMAIN and node.op_type == "GroupQueryAttention":
+        if node.domain == DOMAIN and node.op_type == ATTENTION_OP_TYPE:
             if layer == 0:
-                node.inputs[5].name, node.inputs[6].name = SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+                node.inputs[3].name, node.inputs[4].name = SEQLENS_K, TOTAL_SEQUENCE_LENGTH
             rename(node, f"/h.{layer}.attn/{node.op_type}")
             layer += 1
         elif node.name.startswith("/h.") or node.name.startswith("/wte") or node.name.startswith("/wpe"):

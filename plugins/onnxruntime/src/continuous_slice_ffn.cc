@@ -981,6 +981,135 @@ void ComputeMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
   }
 }
 
+// ---- DecoderAttention ---------------------------------------------------------------------------
+// Causal attention over a KV cache (docs/onnxruntime-kernel.md, DecoderAttention): per batch row b
+// and head h, the new keys and values go into present at positions [past_b, past_b + S); query i
+// attends keys j <= past_b + i (j < total_b), scores q . k / sqrt(head_dim) + bias, softmax, times
+// the values. Work items are (row, head) pairs, or (row, head, block of queries) in prefill: each
+// output is computed by one item in a fixed order, so any thread count gives the same bits.
+
+constexpr int64_t kAttentionQueries = 64;  // prefill: queries an item takes (scores [64, total] in cache)
+// Below this many multiply-adds a call stays on the calling thread: a small model's decode step
+// (12 heads of 8 over 128 keys: 25 K) costs less than waking the pool.
+constexpr int64_t kAttentionInline = int64_t{1} << 16;
+
+// p[j] = exp(p[j] - max) / sum over j < n, in place (Eigen's vectorised exp).
+void Softmax(float* p, int64_t n) {
+  Eigen::Map<Eigen::ArrayXf> a(p, n);
+  a = (a - a.maxCoeff()).exp();
+  a *= 1.0f / a.sum();
+}
+
+// scores[j] = q . key j for j < n, keys ld floats apart: four keys a pass (independent chains
+// hide the FMA latency), then one at a time.
+void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t dim, float* scores) {
+  constexpr int W = kNarrow;
+  const int64_t full = dim / W * W;
+  auto dots = [&](auto rows, int64_t j) __attribute__((always_inline)) {
+    constexpr int R = decltype(rows)::value;
+    Lanes<W> acc[R] = {};
+    for (int64_t c = 0; c < full; c += W) {
+      const Lanes<W> qc = ToLanes<W>(q + c);
+      for (int r = 0; r < R; ++r) acc[r] += qc * ToLanes<W>(keys + (j + r) * ld + c);
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = SumLanes<W>(acc[r]);
+      for (int64_t c = full; c < dim; ++c) sum += q[c] * keys[(j + r) * ld + c];
+      scores[j + r] = sum;
+    }
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) dots(std::integral_constant<int, 4>{}, j);
+  for (; j < n; ++j) dots(std::integral_constant<int, 1>{}, j);
+}
+
+// out[c] = sum over j < n of p[j] value j[c], values ld floats apart, in key order.
+void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, int64_t dim, float* out) {
+  constexpr int W = kNarrow;
+  const int64_t full = dim / W * W;
+  std::fill(out, out + dim, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = values + j * ld;
+    for (int64_t c = 0; c < full; c += W) {
+      const Lanes<W> sum = ToLanes<W>(out + c) + p[j] * ToLanes<W>(v + c);
+      std::memcpy(out + c, &sum, sizeof sum);
+    }
+    for (int64_t c = full; c < dim; ++c) out[c] += p[j] * v[c];
+  }
+}
+
+void Attention(const AttentionSizes& s, const float* qkv, const float* past_key, const float* past_value,
+               const int32_t* seqlens_k, const float* bias, float* y, float* present_key, float* present_value,
+               const ParallelFor& parallel_for) {
+  const int64_t dim = s.head_dim, width = 3 * s.heads * dim, heads = s.batch * s.heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const auto past_of = [&](int64_t b) { return static_cast<int64_t>(seqlens_k[b]) + 1 - s.sequence; };
+  const auto cache = [&](float* present, int64_t b, int64_t h) { return present + (b * s.heads + h) * s.present * dim; };
+  const auto token = [&](int64_t b, int64_t i) { return qkv + (b * s.sequence + i) * width; };
+  // The cache first: unless present is past's own buffer, row b's past_b positions copied and the
+  // rest zeroed; then the new keys and values after them.
+  const bool shared = present_key == past_key && present_value == past_value;
+  const int64_t work = heads * s.sequence * (s.total + 1) * dim;
+  const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
+    for (size_t i = 0; i < n; ++i) body(i);
+  };
+  const ParallelFor& loop = work < kAttentionInline ? inline_for : parallel_for;
+  loop(static_cast<size_t>(heads), [&](size_t item) {
+    const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
+    for (int which = 0; which < 2; ++which) {
+      float* present = cache(which ? present_value : present_key, b, h);
+      if (!shared) {
+        const float* past = (which ? past_value : past_key);
+        if (past_of(b)) std::memcpy(present, past + (b * s.heads + h) * s.past * dim, past_of(b) * dim * sizeof(float));
+        std::fill(present + past_of(b) * dim, present + s.present * dim, 0.0f);
+      }
+      for (int64_t i = 0; i < s.sequence; ++i) {
+        std::memcpy(present + (past_of(b) + i) * dim, token(b, i) + (1 + which) * s.heads * dim + h * dim, dim * sizeof(float));
+      }
+    }
+  });
+  // Query i of row b sees keys j < past_b + i + 1 (those after it are masked, as are none before:
+  // left padding comes as bias); their scores become its weights in place.
+  const auto seen = [&](int64_t b, int64_t i) { return past_of(b) + i + 1; };
+  const auto weigh = [&](int64_t b, int64_t i, float* row) {
+    const float* add = bias + ((s.bias_batch ? b : 0) * s.sequence + i) * s.total;
+    for (int64_t j = 0; j < seen(b, i); ++j) row[j] = row[j] * scale + add[j];
+    Softmax(row, seen(b, i));
+  };
+  if (s.sequence <= kDecodeMaxTokens) {
+    loop(static_cast<size_t>(heads), [&](size_t item) {
+      const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
+      std::vector<float> row(s.total);
+      for (int64_t i = 0; i < s.sequence; ++i) {
+        Scores(token(b, i) + h * dim, cache(present_key, b, h), dim, seen(b, i), dim, row.data());
+        weigh(b, i, row.data());
+        WeightedValues(row.data(), cache(present_value, b, h), dim, seen(b, i), dim,
+                       y + (b * s.sequence + i) * s.heads * dim + h * dim);
+      }
+    });
+    return;
+  }
+  // Prefill: per item, the scores of its queries by one Gemm, weights, and a second Gemm.
+  const int64_t blocks = (s.sequence + kAttentionQueries - 1) / kAttentionQueries;
+  loop(static_cast<size_t>(heads * blocks), [&](size_t item) {
+    const int64_t pair = static_cast<int64_t>(item) / blocks, block = static_cast<int64_t>(item) % blocks;
+    const int64_t b = pair / s.heads, h = pair % s.heads;
+    const int64_t first = block * kAttentionQueries, n = std::min(kAttentionQueries, s.sequence - first);
+    const int64_t keys = seen(b, first + n - 1);
+    std::vector<float> scores(n * keys);
+    Gemm<true>(PackTokens(n, dim, [&](int64_t t) { return token(b, first + t) + h * dim; }), n, dim,
+               cache(present_key, b, h), dim, keys, scores.data(), keys);
+    for (int64_t t = 0; t < n; ++t) {
+      float* row = scores.data() + t * keys;
+      weigh(b, first + t, row);
+      std::fill(row + seen(b, first + t), row + keys, 0.0f);
+    }
+    Gemm<false>(PackTokens(n, keys, [&](int64_t t) { return scores.data() + t * keys; }), n, keys,
+                cache(present_value, b, h), dim, dim, y + (b * s.sequence + first) * s.heads * dim + h * dim,
+                s.heads * dim);
+  });
+}
+
 }  // namespace
 
 template <typename T>
@@ -1011,6 +1140,12 @@ void RunQMatMul(const MatMulSizes& s, const Quantization& q, const T* x, const Q
   } else {
     ComputeMatMul(s, x, QuantRows<4, T>(w, s.k, q.block_size, stride), y, parallel_for);
   }
+}
+
+void RunAttention(const AttentionSizes& s, const float* qkv, const float* past_key, const float* past_value,
+                  const int32_t* seqlens_k, const float* bias, float* y, float* present_key, float* present_value,
+                  const ParallelFor& parallel_for) {
+  Attention(s, qkv, past_key, past_value, seqlens_k, bias, y, present_key, present_value, parallel_for);
 }
 
 #define INFMOE_INSTANTIATE(T)                                                                               \

@@ -1,11 +1,13 @@
 // onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4), infmoe::QContinuousSliceFFN v1
-// (SPEC §6) and infmoe::QMatMul v1 (docs/onnxruntime-kernel.md): attribute, type and shape checks,
+// (SPEC §6), infmoe::QMatMul v1 and infmoe::DecoderAttention v1 (docs/onnxruntime-kernel.md):
+// attribute, type and shape checks,
 // output allocation, the intra-op thread pool, and the RegisterCustomOps entry point.
 // Built against the C/C++ API with ORT_API_MANUAL_INIT; no onnxruntime library is linked.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -159,7 +161,8 @@ OrtStatusPtr Guard(const char* op, Body&& body) {
   }
 }
 
-// An op's inputs, their element types and shapes.
+// An op's inputs, their element types and shapes (an absent optional input: type undefined, no
+// shape, Data null).
 struct Inputs {
   std::vector<Ort::ConstValue> values;
   std::vector<ONNXTensorElementDataType> types;
@@ -168,15 +171,27 @@ struct Inputs {
   Inputs(const Ort::KernelContext& context, size_t count) {
     for (size_t i = 0; i < count; ++i) {
       values.push_back(context.GetInput(i));
+      if (static_cast<const OrtValue*>(values.back()) == nullptr) {
+        types.push_back(ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
+        shapes.emplace_back();
+        continue;
+      }
       const auto info = values.back().GetTensorTypeAndShapeInfo();
       types.push_back(info.GetElementType());
       shapes.push_back(info.GetShape());
     }
   }
+  bool Present(size_t i) const { return static_cast<const OrtValue*>(values[i]) != nullptr; }
   template <typename T>
   const T* Data(size_t i) const {
-    return reinterpret_cast<const T*>(values[i].GetTensorRawData());
+    return Present(i) ? reinterpret_cast<const T*>(values[i].GetTensorRawData()) : nullptr;
   }
+};
+
+// What Op asks of a kernel beyond its name and inputs: one required output, every input required.
+struct OneOutput {
+  static constexpr size_t kOutputs = 1;
+  static bool Optional(size_t) { return false; }
 };
 
 // onnxruntime's intra-op pool as the computation's ParallelFor.
@@ -189,7 +204,7 @@ infmoe::ParallelFor ParallelForOf(const Ort::KernelContext& context) {
 }
 
 template <typename T>
-struct CpuKernel {
+struct CpuKernel : OneOutput {
   static constexpr const char* kName = "ContinuousSliceFFN";
   static constexpr size_t kInputs = 6;
   static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
@@ -265,7 +280,7 @@ infmoe::Sizes CheckQuantized(const Inputs& in, const QuantizedAttributes& attrib
 }
 
 template <typename T>
-struct QuantizedCpuKernel {
+struct QuantizedCpuKernel : OneOutput {
   static constexpr const char* kName = "QContinuousSliceFFN";
   static constexpr size_t kInputs = 8;
   static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
@@ -315,7 +330,7 @@ infmoe::MatMulSizes CheckMatMul(const Inputs& in, const MatMulAttributes& attrib
 }
 
 template <typename T>
-struct QMatMulCpuKernel {
+struct QMatMulCpuKernel : OneOutput {
   static constexpr const char* kName = "QMatMul";
   static constexpr size_t kInputs = 3;
   static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
@@ -335,6 +350,95 @@ struct QMatMulCpuKernel {
       Ort::UnownedValue output = context.GetOutput(0, shape);
       infmoe::QMatMul<T>(sizes, attributes.quantization, inputs.Data<T>(0), {inputs.Data<uint8_t>(1), inputs.Data<T>(2)},
                          reinterpret_cast<T*>(output.GetTensorMutableRawData()), ParallelForOf(context));
+    });
+  }
+};
+
+// DecoderAttention: qkv [B, S, 3 H d], past_key and past_value [B, H, P, d] (optional: both or
+// neither), seqlens_k int32 [B], total_sequence_length int32 [1], attention_bias [1 or B, 1, S, T];
+// outputs y [B, S, H d], present_key and present_value [B, H, max(P, T), d]. float32 only (the
+// onnxruntime target's activations); the other inputs' types are checked here, by name.
+constexpr const char* kAttentionNames[] = {"qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+                                           "attention_bias"};
+
+infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int32_t*& seqlens_k) {
+  const auto require_type = [&](size_t i, ONNXTensorElementDataType type) {
+    if (in.types[i] != type) Fail(std::string(kAttentionNames[i]) + " must be " + TypeName(type) + ", got " + TypeName(in.types[i]));
+  };
+  for (size_t i : {1, 2, 5}) {
+    if (in.Present(i)) require_type(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+  }
+  require_type(3, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+  require_type(4, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+  if (!in.Present(5)) Fail("attention_bias is required (the causal mask is the op's, padding comes as bias)");
+  const auto& qkv = in.shapes[0];
+  if (qkv.size() != 3 || qkv[2] % (3 * heads) != 0 || qkv[2] == 0) {
+    Fail("qkv " + ShapeString(qkv) + " must be [batch, sequence, 3 num_heads head_dim] with num_heads = " +
+         std::to_string(heads));
+  }
+  infmoe::AttentionSizes s{qkv[0], qkv[1], heads, qkv[2] / (3 * heads), 0, 0, 0, false};
+  if (in.Present(1) != in.Present(2)) Fail("past_key and past_value must be given both or neither");
+  if (in.Present(1)) {
+    const auto& past = in.shapes[1];
+    if (past.size() != 4) Fail("past_key " + ShapeString(past) + " must be [batch, num_heads, past, head_dim]");
+    s.past = past[2];
+    const std::vector<int64_t> expected{s.batch, heads, s.past, s.head_dim};
+    RequireShape("past_key", past, expected, "[batch, num_heads, past, head_dim]");
+    RequireShape("past_value", in.shapes[2], expected, "past_key's shape");
+  }
+  RequireShape("seqlens_k", in.shapes[3], {s.batch}, "[batch]");
+  const auto& total = in.shapes[4];
+  if (!(total.empty() || total == std::vector<int64_t>{1})) {
+    Fail("total_sequence_length " + ShapeString(total) + " must hold one value");
+  }
+  s.total = *in.Data<int32_t>(4);
+  if (s.total < 1) Fail("total_sequence_length must be >= 1, got " + std::to_string(s.total));
+  s.present = std::max(s.past, s.total);
+  const auto& bias = in.shapes[5];
+  if (bias.size() != 4 || (bias[0] != 1 && bias[0] != s.batch) || bias[1] != 1 || bias[2] != s.sequence ||
+      bias[3] != s.total) {
+    Fail("attention_bias " + ShapeString(bias) + " must be [1 or batch, 1, sequence, total_sequence_length] = [1 or " +
+         std::to_string(s.batch) + ", 1, " + std::to_string(s.sequence) + ", " + std::to_string(s.total) + "]");
+  }
+  s.bias_batch = bias[0] == s.batch && s.batch != 1;
+  seqlens_k = in.Data<int32_t>(3);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t length = int64_t{seqlens_k[b]} + 1, past = length - s.sequence;
+    if (past < 0 || past > s.past || length > s.total) {
+      Fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(seqlens_k[b]) + " must be in [sequence - 1, " +
+           "min(past + sequence, total_sequence_length) - 1] = [" + std::to_string(s.sequence - 1) + ", " +
+           std::to_string(std::min(s.past + s.sequence, s.total) - 1) + "]");
+    }
+  }
+  return s;
+}
+
+struct AttentionCpuKernel {
+  static constexpr const char* kName = "DecoderAttention";
+  static constexpr size_t kInputs = 6, kOutputs = 3;
+  static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
+    return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  static bool Optional(size_t index) { return index == 1 || index == 2; }
+
+  int64_t heads;
+  explicit AttentionCpuKernel(const OrtKernelInfo* info)
+      : heads(RequiredInt(Ort::ConstKernelInfo(info), "num_heads", "the number of query, key and value heads")) {
+    if (heads < 1) Fail("num_heads must be >= 1, got " + std::to_string(heads));
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
+    return Guard(kName, [&] {
+      Ort::KernelContext context(raw_context);
+      const Inputs inputs(context, kInputs);
+      const int32_t* seqlens_k = nullptr;
+      const infmoe::AttentionSizes s = CheckAttention(inputs, heads, seqlens_k);
+      Ort::UnownedValue y = context.GetOutput(0, {s.batch, s.sequence, s.heads * s.head_dim});
+      const std::vector<int64_t> cache{s.batch, s.heads, s.present, s.head_dim};
+      Ort::UnownedValue key = context.GetOutput(1, cache), value = context.GetOutput(2, cache);
+      infmoe::DecoderAttention(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), seqlens_k,
+                               inputs.Data<float>(5), y.GetTensorMutableData<float>(), key.GetTensorMutableData<float>(),
+                               value.GetTensorMutableData<float>(), ParallelForOf(context));
     });
   }
 };
@@ -375,7 +479,10 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
   const char* GetExecutionProviderType() const { return provider_; }
   size_t GetInputTypeCount() const { return Kernel::kInputs; }
   ONNXTensorElementDataType GetInputType(size_t index) const { return Kernel::InputType(index, Type); }
-  size_t GetOutputTypeCount() const { return 1; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return Kernel::Optional(index) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return Kernel::kOutputs; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return Type; }
 
  private:
@@ -389,6 +496,7 @@ Op<QuantizedCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_quantized
 Op<QuantizedCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_quantized_half(nullptr);
 Op<QMatMulCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_matmul_float(nullptr);
 Op<QMatMulCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_matmul_half(nullptr);
+Op<AttentionCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_attention(nullptr);
 #ifdef INFMOE_WITH_CUDA
 Op<CudaKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cuda_float("CUDAExecutionProvider");
 Op<CudaKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cuda_half("CUDAExecutionProvider");
@@ -416,6 +524,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     domain.Add(&cpu_quantized_half);
     domain.Add(&cpu_matmul_float);
     domain.Add(&cpu_matmul_half);
+    domain.Add(&cpu_attention);
 #ifdef INFMOE_WITH_CUDA
     domain.Add(&cuda_float);
     domain.Add(&cuda_half);

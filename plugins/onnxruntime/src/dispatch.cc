@@ -26,6 +26,8 @@
   template <typename T>                                                                                   \
   void RunQMatMul(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,       \
                   const ParallelFor&);                                                                    \
+  void RunAttention(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,      \
+                    const float*, float*, float*, float*, const ParallelFor&);                            \
   INFMOE_DECLARE_RUN(float)                                                                               \
   INFMOE_DECLARE_RUN(uint16_t)                                                                            \
   }
@@ -52,6 +54,9 @@ template <typename T>
 using MatMulKernel = void (*)(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,
                               const ParallelFor&);
 
+using AttentionKernel = void (*)(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,
+                                 const float*, float*, float*, float*, const ParallelFor&);
+
 struct Variant {
   const char* name;
   Kernel<float> f32;
@@ -60,11 +65,12 @@ struct Variant {
   QKernel<uint16_t> q16;
   MatMulKernel<float> mm32;
   MatMulKernel<uint16_t> mm16;
+  AttentionKernel attention;
 };
 
 #define INFMOE_VARIANT_ENTRY(name)                                                                        \
   {#name, name::Run<float>, name::Run<uint16_t>, name::RunQuantized<float>, name::RunQuantized<uint16_t>, \
-   name::RunQMatMul<float>, name::RunQMatMul<uint16_t>}
+   name::RunQMatMul<float>, name::RunQMatMul<uint16_t>, name::RunAttention}
 
 // Widest first. x86-64-v3 is AVX2 + FMA + F16C + BMI1/2 + LZCNT + MOVBE, x86-64-v4 adds
 // AVX-512 F/BW/CD/DQ/VL; the avx512 variant also uses AVX512-VNNI (a Skylake-X without it runs
@@ -175,5 +181,12 @@ template void QMatMul<float>(const MatMulSizes&, const Quantization&, const floa
                              float*, const ParallelFor&);
 template void QMatMul<uint16_t>(const MatMulSizes&, const Quantization&, const uint16_t*,
                                 const QuantizedMatrix<uint16_t>&, uint16_t*, const ParallelFor&);
+
+void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const float* past_key, const float* past_value,
+                      const int32_t* seqlens_k, const float* attention_bias, float* y, float* present_key,
+                      float* present_value, const ParallelFor& parallel_for) {
+  Chosen().attention(sizes, qkv, past_key, past_value, seqlens_k, attention_bias, y, present_key, present_value,
+                     parallel_for);
+}
 
 }  // namespace infmoe
