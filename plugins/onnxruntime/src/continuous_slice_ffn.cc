@@ -35,6 +35,7 @@
 #include <memory>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifndef INFMOE_VARIANT
@@ -1000,41 +1001,81 @@ void Softmax(float* p, int64_t n) {
   a *= 1.0f / a.sum();
 }
 
-// scores[j] = q . key j for j < n, keys ld floats apart: four keys a pass (independent chains
-// hide the FMA latency), then one at a time.
+// x and y hold W / M keys each, M partial sums a key side by side: one register of their 2 W / M
+// keys (x's first), M / 2 sums each, partial p + M / 2 added to partial p.
+template <int W, int M, size_t... I>
+inline Lanes<W> Fold(Lanes<W> x, Lanes<W> y, std::index_sequence<I...>) {
+  constexpr int kHalf = M / 2, kKeys = W / M;
+  constexpr auto source = [](int i) {
+    const int key = i / kHalf, p = i % kHalf;
+    return key < kKeys ? key * M + p : W + (key - kKeys) * M + p;
+  };
+  return __builtin_shufflevector(x, y, source(I)...) + __builtin_shufflevector(x, y, (source(I) + kHalf)...);
+}
+
+// v[r]: key r's W partial sums (r < W) -> lane r of one register: key r's sum (v is overwritten).
+template <int W, int M = W>
+inline Lanes<W> KeySums(Lanes<W>* v) {
+  if constexpr (M == 1) {
+    return v[0];
+  } else {
+    for (int i = 0; i < M / 2; ++i) v[i] = Fold<W, M>(v[2 * i], v[2 * i + 1], std::make_index_sequence<W>{});
+    return KeySums<W, M / 2>(v);
+  }
+}
+
+// scores[j] = q . key j for j < n, keys ld floats apart: W keys a pass (independent chains hide
+// the FMA latency; their lanes summed together by KeySums, not a key at a time), then one at a time.
 void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t dim, float* scores) {
   constexpr int W = kNarrow;
   const int64_t full = dim / W * W;
-  auto dots = [&](auto rows, int64_t j) __attribute__((always_inline)) {
-    constexpr int R = decltype(rows)::value;
-    Lanes<W> acc[R] = {};
+  auto tail = [&](int64_t j) { float sum = 0.0f; for (int64_t c = full; c < dim; ++c) sum += q[c] * keys[j * ld + c]; return sum; };
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    Lanes<W> acc[W] = {};
     for (int64_t c = 0; c < full; c += W) {
       const Lanes<W> qc = ToLanes<W>(q + c);
-      for (int r = 0; r < R; ++r) acc[r] += qc * ToLanes<W>(keys + (j + r) * ld + c);
+      for (int r = 0; r < W; ++r) acc[r] += qc * ToLanes<W>(keys + (j + r) * ld + c);
     }
-    for (int r = 0; r < R; ++r) {
-      float sum = SumLanes<W>(acc[r]);
-      for (int64_t c = full; c < dim; ++c) sum += q[c] * keys[(j + r) * ld + c];
-      scores[j + r] = sum;
-    }
-  };
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) dots(std::integral_constant<int, 4>{}, j);
-  for (; j < n; ++j) dots(std::integral_constant<int, 1>{}, j);
+    Lanes<W> sums = KeySums<W>(acc);
+    if (full < dim) for (int r = 0; r < W; ++r) sums[r] += tail(j + r);
+    std::memcpy(scores + j, &sums, sizeof sums);
+  }
+  for (; j < n; ++j) {
+    Lanes<W> acc = {};
+    for (int64_t c = 0; c < full; c += W) acc += ToLanes<W>(q + c) * ToLanes<W>(keys + j * ld + c);
+    scores[j] = SumLanes<W>(acc) + tail(j);
+  }
 }
 
-// out[c] = sum over j < n of p[j] value j[c], values ld floats apart, in key order.
+// out[c] = sum over j < n of p[j] value j[c], values ld floats apart: per block of up to four
+// registers of columns, the keys in four chains (key j into chain j mod 4, added at the end), all
+// in registers (a store and reload of out per key made each key wait for the previous one).
 void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, int64_t dim, float* out) {
-  constexpr int W = kNarrow;
-  const int64_t full = dim / W * W;
-  std::fill(out, out + dim, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = values + j * ld;
-    for (int64_t c = 0; c < full; c += W) {
-      const Lanes<W> sum = ToLanes<W>(out + c) + p[j] * ToLanes<W>(v + c);
-      std::memcpy(out + c, &sum, sizeof sum);
+  constexpr int W = kNarrow, kUnits = 4, kChains = 4;
+  const int64_t full = dim / W;
+  auto block = [&](auto units, int64_t u0) __attribute__((always_inline)) {
+    constexpr int U = decltype(units)::value;
+    Lanes<W> acc[kChains][U] = {};
+    int64_t j = 0;
+    for (; j + kChains <= n; j += kChains) {
+      for (int r = 0; r < kChains; ++r)
+        for (int u = 0; u < U; ++u) acc[r][u] += p[j + r] * ToLanes<W>(values + (j + r) * ld + (u0 + u) * W);
     }
-    for (int64_t c = full; c < dim; ++c) out[c] += p[j] * v[c];
+    for (; j < n; ++j)
+      for (int u = 0; u < U; ++u) acc[0][u] += p[j] * ToLanes<W>(values + j * ld + (u0 + u) * W);
+    for (int u = 0; u < U; ++u) {
+      const Lanes<W> sum = (acc[0][u] + acc[1][u]) + (acc[2][u] + acc[3][u]);
+      std::memcpy(out + (u0 + u) * W, &sum, sizeof sum);
+    }
+  };
+  int64_t u0 = 0;
+  for (; u0 + kUnits <= full; u0 += kUnits) block(std::integral_constant<int, kUnits>{}, u0);
+  for (; u0 < full; ++u0) block(std::integral_constant<int, 1>{}, u0);
+  for (int64_t c = full * W; c < dim; ++c) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += p[j] * values[j * ld + c];
+    out[c] = sum;
   }
 }
 
