@@ -994,9 +994,11 @@ constexpr int64_t kAttentionQueries = 64;  // prefill: queries an item takes (sc
 // (12 heads of 8 over 128 keys: 25 K) costs less than waking the pool.
 constexpr int64_t kAttentionInline = int64_t{1} << 16;
 
-// p[j] = exp(p[j] - max) / sum over j < n, in place (Eigen's vectorised exp).
+// p[j] = exp(p[j] - max) / sum over j < n, in place (Eigen's vectorised exp). p must be aligned as
+// Eigen's own arrays are: Eigen takes the elements before the first aligned one by its scalar exp
+// and sums in another order, so an unaligned p would change bits with the address.
 void Softmax(float* p, int64_t n) {
-  Eigen::Map<Eigen::ArrayXf> a(p, n);
+  Eigen::Map<Eigen::ArrayXf, Eigen::AlignedMax> a(p, n);
   a = (a - a.maxCoeff()).exp();
   a *= 1.0f / a.sum();
 }
@@ -1120,7 +1122,7 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
   if (s.sequence <= kDecodeMaxTokens) {
     loop(static_cast<size_t>(heads), [&](size_t item) {
       const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
-      std::vector<float> row(s.total);
+      Eigen::ArrayXf row(s.total);
       for (int64_t i = 0; i < s.sequence; ++i) {
         Scores(token(b, i) + h * dim, cache(present_key, b, h), dim, seen(b, i), dim, row.data());
         weigh(b, i, row.data());
@@ -1136,16 +1138,16 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
     const int64_t pair = static_cast<int64_t>(item) / blocks, block = static_cast<int64_t>(item) % blocks;
     const int64_t b = pair / s.heads, h = pair % s.heads;
     const int64_t first = block * kAttentionQueries, n = std::min(kAttentionQueries, s.sequence - first);
-    const int64_t keys = seen(b, first + n - 1);
-    std::vector<float> scores(n * keys);
+    const int64_t keys = seen(b, first + n - 1), ld = (keys + 15) / 16 * 16;  // rows aligned for Softmax
+    Eigen::ArrayXf scores(n * ld);
     Gemm<true>(PackTokens(n, dim, [&](int64_t t) { return token(b, first + t) + h * dim; }), n, dim,
-               cache(present_key, b, h), dim, keys, scores.data(), keys);
+               cache(present_key, b, h), dim, keys, scores.data(), ld);
     for (int64_t t = 0; t < n; ++t) {
-      float* row = scores.data() + t * keys;
+      float* row = scores.data() + t * ld;
       weigh(b, first + t, row);
       std::fill(row + seen(b, first + t), row + keys, 0.0f);
     }
-    Gemm<false>(PackTokens(n, keys, [&](int64_t t) { return scores.data() + t * keys; }), n, keys,
+    Gemm<false>(PackTokens(n, keys, [&](int64_t t) { return scores.data() + t * ld; }), n, keys,
                 cache(present_value, b, h), dim, dim, y + (b * s.sequence + first) * s.heads * dim + h * dim,
                 s.heads * dim);
   });

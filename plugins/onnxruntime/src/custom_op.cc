@@ -405,9 +405,9 @@ infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t length = int64_t{seqlens_k[b]} + 1, past = length - s.sequence;
     if (past < 0 || past > s.past || length > s.total) {
-      Fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(seqlens_k[b]) + " must be in [sequence - 1, " +
-           "min(past + sequence, total_sequence_length) - 1] = [" + std::to_string(s.sequence - 1) + ", " +
-           std::to_string(std::min(s.past + s.sequence, s.total) - 1) + "]");
+      Fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(seqlens_k[b]) + " must be in [" +
+           std::to_string(s.sequence - 1) + ", " + std::to_string(std::min(s.past + s.sequence, s.total) - 1) +
+           "] (sequence - 1 to min(past + sequence, total_sequence_length) - 1)");
     }
   }
   return s;
