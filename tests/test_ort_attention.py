@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from infmoe_export.export.function import attention_model
+from infmoe_export.export.ort_target import decoder_attention
 from test_ort_kernel import relative_error
 from test_ort_qkernel import session
 
@@ -38,31 +39,8 @@ def make_feeds(rng, batch, sequence, past, heads, dim, shorter=0, bias_rows=None
 
 
 def reference(feeds, heads):
-    """y, present_key, present_value in float64: row b's past_b = seqlens_k[b] + 1 - S positions
-    of past, then the new keys and values, zeros after; query i sees keys j <= past_b + i."""
-    qkv, bias = feeds["qkv"].astype(np.float64), feeds["attention_bias"].astype(np.float64)
-    batch, sequence, width = qkv.shape
-    dim = width // (3 * heads)
-    q, k, v = qkv.reshape(batch, sequence, 3, heads, dim).transpose(2, 0, 3, 1, 4)
-    past = feeds["past_key"].shape[2] if "past_key" in feeds else 0
-    total = int(feeds["total_sequence_length"][0])
-    present = np.zeros((2, batch, heads, max(past, total), dim))
-    y = np.zeros((batch, sequence, heads * dim))
-    for b in range(batch):
-        row_past = int(feeds["seqlens_k"][b]) + 1 - sequence
-        if row_past:
-            present[0, b, :, :row_past] = feeds["past_key"][b, :, :row_past]
-            present[1, b, :, :row_past] = feeds["past_value"][b, :, :row_past]
-        present[0, b, :, row_past:row_past + sequence] = k[b]
-        present[1, b, :, row_past:row_past + sequence] = v[b]
-        for i in range(sequence):
-            seen = row_past + i + 1
-            scores = np.einsum("hd,hjd->hj", q[b, :, i], present[0, b, :, :seen]) / np.sqrt(dim)
-            scores += bias[min(b, bias.shape[0] - 1), 0, i, :seen]
-            weights = np.exp(scores - scores.max(-1, keepdims=True))
-            weights /= weights.sum(-1, keepdims=True)
-            y[b, i] = np.einsum("hj,hjd->hd", weights, present[1, b, :, :seen]).reshape(-1)
-    return y, present[0], present[1]
+    return decoder_attention(feeds["qkv"], feeds.get("past_key"), feeds.get("past_value"), feeds["seqlens_k"],
+                             feeds["total_sequence_length"], feeds["attention_bias"], heads)
 
 
 def model(heads, past=True, attributes=None):

@@ -29,6 +29,7 @@ attention_mask's length, as onnxruntime-genai's builder does, so a client feeds 
 inputs only.
 """
 
+import numpy as np
 import onnx_ir as ir
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,35 @@ class OrtDecoder(nn.Module):
         if io.with_starts:
             outputs += all_starts
         return tuple(outputs)
+
+
+def decoder_attention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, num_heads):
+    """What infmoe::DecoderAttention computes (docs/onnxruntime-kernel.md), in float64 numpy: the
+    reference its kernel and fallback are tested against. Row b's cache holds past_b = seqlens_k[b]
+    + 1 - S positions of past (None: no past), then the S new keys and values, zeros after; query i
+    sees keys j <= past_b + i, scores q . k / sqrt(head_dim) + attention_bias. Returns y,
+    present_key, present_value."""
+    qkv, bias = np.asarray(qkv, np.float64), np.asarray(attention_bias, np.float64)
+    batch, sequence, width = qkv.shape
+    dim = width // (3 * num_heads)
+    q, k, v = qkv.reshape(batch, sequence, 3, num_heads, dim).transpose(2, 0, 3, 1, 4)
+    past = 0 if past_key is None else past_key.shape[2]
+    present = np.zeros((2, batch, num_heads, max(past, int(np.asarray(total_sequence_length).reshape(-1)[0])), dim))
+    y = np.zeros((batch, sequence, num_heads * dim))
+    for b in range(batch):
+        row_past = int(seqlens_k[b]) + 1 - sequence
+        if row_past:
+            present[0, b, :, :row_past] = past_key[b, :, :row_past]
+            present[1, b, :, :row_past] = past_value[b, :, :row_past]
+        present[:, b, :, row_past:row_past + sequence] = np.stack([k[b], v[b]])
+        for i in range(sequence):
+            seen = row_past + i + 1
+            scores = np.einsum("hd,hjd->hj", q[b, :, i], present[0, b, :, :seen]) / np.sqrt(dim)
+            scores += bias[min(b, bias.shape[0] - 1), 0, i, :seen]
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            weights /= weights.sum(-1, keepdims=True)
+            y[b, i] = np.einsum("hj,hjd->hd", weights, present[1, b, :, :seen]).reshape(-1)
+    return y, present[0], present[1]
 
 
 def _drop_floor(graph: ir.Graph):

@@ -1,8 +1,10 @@
-"""Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN and infmoe::QMatMul through
-onnxruntime, meant for the AddressSanitizer + UBSan build.
+"""Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN, infmoe::QMatMul and
+infmoe::DecoderAttention through onnxruntime, meant for the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows: 40% of the cases for each expert op, 20% for QMatMul; about a third are invalid (starts
+windows: 35% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (caches
+of up to 300 positions, rows of different lengths, past absent; invalid: a dimension changed,
+seqlens_k out of range, total_sequence_length 0, a wrong element type); about a third are invalid (starts
 out of range, a mismatched or missing dimension, slice_width > H; for the quantized ops also bits
 and block sizes outside SPEC §6, and packed weights, scales or biases of the wrong element type;
 for QMatMul a K or N attribute that disagrees with the tensors). A valid case must match the
@@ -27,7 +29,8 @@ import torch
 from onnx import helper
 
 from infmoe_export.model import continuous_slice_ffn
-from infmoe_export.export.function import op_model, qmatmul_model
+from infmoe_export.export.function import attention_model, op_model, qmatmul_model
+from infmoe_export.export.ort_target import decoder_attention
 from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
 from infmoe_export.runtimes import ort_kernel
 
@@ -182,6 +185,71 @@ def matmul_problem(feeds, K, N, bits, block_size):
     return None
 
 
+def random_attention_case(rng):
+    """(feeds, num_heads, problem) of DecoderAttention; feeds without past_* when there is none."""
+    batch, heads, dim = int(rng.integers(0, 4)), int(rng.integers(1, 7)), int(rng.integers(1, 41))
+    sequence = int(rng.integers(0, 5)) if rng.random() < 0.8 else int(rng.integers(5, 150))
+    past = int(rng.integers(0, 300)) if rng.random() < 0.8 else 0
+    lengths = rng.integers(0, past + 1, size=batch) + sequence
+    total = int(max(lengths, default=0) + rng.integers(0, 3)) if rng.random() < 0.9 else int(max(lengths, default=1))
+    total = max(total, 1)
+    bias = rng.standard_normal((int(rng.choice([1, batch])) if batch else 1, 1, sequence, total))
+    bias[rng.random(bias.shape) < 0.1] = np.finfo(np.float32).min
+    feeds = {"qkv": rng.standard_normal((batch, sequence, 3 * heads * dim)).astype(np.float32),
+             "past_key": rng.standard_normal((batch, heads, past, dim)).astype(np.float32),
+             "past_value": rng.standard_normal((batch, heads, past, dim)).astype(np.float32),
+             "seqlens_k": (lengths - 1).astype(np.int32),
+             "total_sequence_length": np.array([total], np.int32),
+             "attention_bias": bias.astype(np.float32)}
+    if past == 0 and rng.random() < 0.5:
+        del feeds["past_key"], feeds["past_value"]
+    roll = rng.random()
+    if roll < 0.15:  # one input gets a dimension changed, dropped or added
+        name = str(rng.choice(list(feeds)))
+        shape = list(feeds[name].shape)
+        if shape and rng.random() < 0.7:
+            axis = int(rng.integers(len(shape)))
+            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
+        else:
+            shape = shape[:-1] if shape and rng.random() < 0.5 else shape + [1]
+        feeds[name] = (rng.integers(0, total + 1, size=shape) if name in ("seqlens_k", "total_sequence_length")
+                       else rng.standard_normal(shape)).astype(feeds[name].dtype)
+    elif roll < 0.22 and batch:
+        feeds["seqlens_k"][int(rng.integers(batch))] += int(rng.choice([-sequence - 1, past + 1, 1000, -(2 ** 31) + 1]))
+    elif roll < 0.25:
+        feeds["total_sequence_length"][0] = int(rng.choice([0, -5]))
+    elif roll < 0.28:
+        name = str(rng.choice(list(feeds)))
+        feeds[name] = feeds[name].astype(np.int64 if feeds[name].dtype == np.int32 else np.float64)
+    return feeds, heads, attention_problem(feeds, heads)
+
+
+def attention_problem(feeds, heads):
+    """Why DecoderAttention must refuse these inputs, or None."""
+    if any(v.dtype != (np.int32 if n in ("seqlens_k", "total_sequence_length") else np.float32) for n, v in feeds.items()):
+        return "type"
+    qkv, total = feeds["qkv"].shape, feeds["total_sequence_length"]
+    if len(qkv) != 3 or qkv[2] == 0 or qkv[2] % (3 * heads) or total.shape not in ((), (1,)) or total.size != 1:
+        return "shape"
+    batch, sequence, dim = qkv[0], qkv[1], qkv[2] // (3 * heads)
+    past = feeds["past_key"].shape[2] if "past_key" in feeds and feeds["past_key"].ndim == 4 else 0
+    if "past_key" in feeds and (feeds["past_key"].shape != (batch, heads, past, dim)
+                                or feeds["past_value"].shape != (batch, heads, past, dim)):
+        return "shape"
+    if feeds["seqlens_k"].shape != (batch,):
+        return "shape"
+    total = int(total.reshape(-1)[0])
+    if total < 1:
+        return "total"
+    bias = feeds["attention_bias"].shape
+    if len(bias) != 4 or bias[0] not in (1, batch) or bias[1:] != (1, sequence, total):
+        return "shape"
+    lengths = feeds["seqlens_k"].astype(np.int64) + 1
+    if ((lengths - sequence < 0) | (lengths - sequence > past) | (lengths > total)).any():
+        return "seqlens"
+    return None
+
+
 def reference(feeds, r, bits, block):
     tensors = [torch.from_numpy(v) for v in feeds.values()]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
@@ -191,7 +259,8 @@ def reference(feeds, r, bits, block):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN and QMatMul kernels.")
+    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN, QMatMul and "
+                                                 "DecoderAttention kernels.")
     parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -220,8 +289,12 @@ def main():
     findings, counts = [], {}
     for case in range(args.cases):
         roll = rng.random()
-        kind = "float" if roll < 0.4 else "quantized" if roll < 0.8 else "matmul"
-        if kind == "matmul":
+        kind = "float" if roll < 0.35 else "quantized" if roll < 0.7 else "matmul" if roll < 0.85 else "attention"
+        if kind == "attention":
+            feeds, heads, problem = random_attention_case(rng)
+            dtype, key = np.float32, ("attention", heads, "past_key" in feeds)
+            make_model = lambda: attention_model(heads, past="past_key" in feeds)  # noqa: E731
+        elif kind == "matmul":
             feeds, attributes, dtype, problem = random_matmul_case(rng)
             key = tuple(attributes.values())
             make_model = lambda: qmatmul_model(*key, dtype="float16" if dtype == np.float16 else "float32")  # noqa: E731
@@ -232,8 +305,8 @@ def main():
                                           **({} if block is None else dict(block_size=block)))
         threads = int(rng.integers(1, 3))
         try:
-            y = session(feeds, key, make_model, threads).run(None, feeds)[0]
-            error = None
+            outputs = session(feeds, key, make_model, threads).run(None, feeds)
+            y, error = outputs[0], None
         except Exception as exc:  # onnxruntime's error types
             y, error = None, str(exc).splitlines()[0]
         label = f"{kind} {problem or 'valid'}"
@@ -245,7 +318,11 @@ def main():
         if error is not None:
             findings.append(f"case {case}: valid ({label}) but raised: {error}")
             continue
-        if kind == "matmul":
+        if kind == "attention":
+            expected = decoder_attention(*(feeds.get(n) for n in ("qkv", "past_key", "past_value", "seqlens_k",
+                                                                   "total_sequence_length", "attention_bias")), heads)
+            y, ref = np.concatenate([o.reshape(-1) for o in outputs]), np.concatenate([e.reshape(-1) for e in expected])
+        elif kind == "matmul":
             tensors = {name: torch.from_numpy(value) for name, value in feeds.items()}
             ref = q_matmul(tensors["A"].double(), tensors["B"], tensors["scales"].double(), attributes["bits"],
                            attributes["block_size"]).numpy()
