@@ -4,8 +4,11 @@
 
 GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the compiled kernel,
 batch 1, for the portable graph (standard ops, present = Concat(past, new): what Optimum runs)
-and the onnxruntime target (GroupQueryAttention on a cache of n_positions shared in place,
-runtimes/ort.py SharedCache, what `run` uses). Per K and thread count:
+and the onnxruntime target (DecoderAttention on a cache of n_positions shared in place,
+runtimes/ort.py SharedCache, what `run` uses), and beside them the same onnxruntime target with
+each DecoderAttention node replaced by its fallback, GroupQueryAttention (`onnxruntime-gqa`:
+what the target ran before it had its own attention op, and what runs without our library).
+Per K and thread count:
 
 - decode ms/token at past 128 and 512 (and 1, 1000 for K 2: decode vs past length), each timed
   step a token at exactly that past (the shared cache's length is set back before each step);
@@ -30,6 +33,7 @@ Last, each of issue 16's targets for the onnxruntime target, met or not (also in
 
 import argparse
 import collections
+import dataclasses
 import sys
 import tempfile
 import time
@@ -44,7 +48,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort beside this file, however it is loaded
 from bench_ort import SMALL, decode_bytes  # noqa: E402
+from infmoe_export.contract import DOMAIN  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
+from infmoe_export.export.function import ATTENTION_OP_TYPE  # noqa: E402
 from infmoe_export.files import write_json  # noqa: E402
 from infmoe_export.model import InfMoEConfig, InfMoEGPT  # noqa: E402
 from infmoe_export.report.bench import text_tokens  # noqa: E402
@@ -58,6 +64,8 @@ TINY_WEIGHTS = InfMoEConfig(vocab_size=256, n_positions=1024, d_model=96, n_laye
 PASTS, SWEEP, SWEEP_K = (128, 512), (1, 128, 512, 1000), 2
 FIXED_PASTS = (1, 128)  # issue 16's fixed cost is the last
 TARGETS = ("portable", "onnxruntime")
+GQA = "onnxruntime-gqa"
+VARIANTS = TARGETS + (GQA,)
 GOALS = {"over_roofline_past128_2threads": 1.10, "over_roofline_past512_2threads": 1.15,
          "over_roofline_1thread": 1.25, "fixed_cost_ms": 0.3}
 BANDWIDTH_ROWS, BANDWIDTH_COLS = 4096, 16384  # a 256 MiB float32 weight
@@ -129,6 +137,28 @@ class Decoder:
         return median(time_calls(self.steps[past], 1, steps)) * 1e3
 
 
+def with_group_query_attention(exported, path: Path):
+    """The onnxruntime target with each DecoderAttention node replaced by its fallback function's
+    body, one GroupQueryAttention node with the same inputs (docs/onnxruntime-kernel.md)."""
+    model = onnx.load(str(exported.path))
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == ATTENTION_OP_TYPE:
+            qkv, past_key, past_value, seqlens_k, total, bias = node.input
+            node.domain, node.op_type = "com.microsoft", "GroupQueryAttention"
+            del node.input[:]
+            node.input.extend([qkv, "", "", past_key, past_value, seqlens_k, total, "", "", "", bias])
+            node.attribute.append(helper.make_attribute("kv_num_heads", helper.get_attribute_value(node.attribute[0])))
+    onnx.save(model, str(path))
+    return dataclasses.replace(exported, path=path)
+
+
+def export_variants(model, scratch: Path, name: str, k: int) -> dict:
+    """The model for each of VARIANTS."""
+    exported = {t: export_onnx(model, scratch / f"{name}_{t}.onnx", k=k, target=t) for t in TARGETS}
+    exported[GQA] = with_group_query_attention(exported["onnxruntime"], scratch / f"{name}_gqa.onnx")
+    return exported
+
+
 def node_counts(path: Path) -> dict:
     """Nodes as exported and after onnxruntime's optimizations (ORT_ENABLE_ALL, kernel registered)."""
     options = ort.SessionOptions()
@@ -160,7 +190,7 @@ def fixed_cost(scratch: Path, threads_list, rounds: int, steps: int) -> dict:
     attention over a cache): per thread count, past and target, the median, quartiles and best
     of the samples, each the median of `steps` steps."""
     model = InfMoEGPT(TINY_WEIGHTS).eval()
-    exported = {t: export_onnx(model, scratch / f"tiny_{t}.onnx", k=2, target=t) for t in TARGETS}
+    exported = export_variants(model, scratch, "tiny", 2)
     result = {"nodes": {t: node_counts(e.path) for t, e in exported.items()}, "ms": []}
     for threads in threads_list:
         decoders = {t: Decoder(e, threads) for t, e in exported.items()}
@@ -227,7 +257,7 @@ def main():
         small = InfMoEGPT(SMALL).eval()
         for k in ks:
             pasts = SWEEP if k == SWEEP_K else PASTS
-            exported = {t: export_onnx(small, scratch / f"small_{t}.onnx", k=k, target=t) for t in TARGETS}
+            exported = export_variants(small, scratch, "small", k)
             active = {past: decode_bytes(small, k, past) for past in pasts}
             for threads in threads_list:
                 bandwidth = MatMulBandwidth(threads)
@@ -242,10 +272,10 @@ def main():
                     best_roofline = active[past] / (max(gbs) * 1e9) * 1e3
                     row = {"k": k, "threads": threads, "past": past, "read_gbs": median(gbs),
                            "best_read_gbs": max(gbs), "bytes": active[past], "roofline_ms": roofline,
-                           "decode_ms": {t: median(samples[(t, past)]) for t in TARGETS},
-                           "best_decode_ms": {t: min(samples[(t, past)]) for t in TARGETS},
-                           "over_roofline": {t: median(samples[(t, past)]) / roofline for t in TARGETS},
-                           "best_over_roofline": {t: min(samples[(t, past)]) / best_roofline for t in TARGETS}}
+                           "decode_ms": {t: median(samples[(t, past)]) for t in VARIANTS},
+                           "best_decode_ms": {t: min(samples[(t, past)]) for t in VARIANTS},
+                           "over_roofline": {t: median(samples[(t, past)]) / roofline for t in VARIANTS},
+                           "best_over_roofline": {t: min(samples[(t, past)]) / best_roofline for t in VARIANTS}}
                     result["decode"].append(row)
                     print_row(row)
                 write()
@@ -272,7 +302,7 @@ def print_row(row):
     d, r, b = row["decode_ms"], row["over_roofline"], row["best_over_roofline"]
     print(f"K={row['k']} threads={row['threads']} past={row['past']}: roofline {row['roofline_ms']:.2f} ms "
           f"({row['bytes'] / 1e6:.0f} MB at {row['read_gbs']:.1f} GB/s, best {row['best_read_gbs']:.1f}); " +
-          ", ".join(f"{t} {d[t]:.2f} ms ({r[t]:.3f}x, best {b[t]:.3f}x)" for t in TARGETS))
+          ", ".join(f"{t} {d[t]:.2f} ms ({r[t]:.3f}x, best {b[t]:.3f}x)" for t in VARIANTS))
 
 
 if __name__ == "__main__":
