@@ -1035,10 +1035,8 @@ void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t di
   int64_t j = 0;
   for (; j + W <= n; j += W) {
     Lanes<W> acc[W] = {};
-    for (int64_t c = 0; c < full; c += W) {
-      const Lanes<W> qc = ToLanes<W>(q + c);
-      for (int r = 0; r < W; ++r) acc[r] += qc * ToLanes<W>(keys + (j + r) * ld + c);
-    }
+    for (int r = 0; r < W; ++r)  // each key's row front to back: one stream
+      for (int64_t c = 0; c < full; c += W) acc[r] += ToLanes<W>(q + c) * ToLanes<W>(keys + (j + r) * ld + c);
     Lanes<W> sums = KeySums<W>(acc);
     if (full < dim) for (int r = 0; r < W; ++r) sums[r] += tail(j + r);
     std::memcpy(scores + j, &sums, sizeof sums);
@@ -1050,30 +1048,35 @@ void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t di
   }
 }
 
-// out[c] = sum over j < n of p[j] value j[c], values ld floats apart: per block of up to four
-// registers of columns, the keys in four chains (key j into chain j mod 4, added at the end), all
-// in registers (a store and reload of out per key made each key wait for the previous one).
+// out[c] = sum over j < n of p[j] value j[c], values ld floats apart: per block of up to eight
+// registers of columns (a head_dim of 64 in one), one pass over the keys front to back with the
+// sums in registers (a store and reload of out per key made each key wait for the previous one;
+// blocks of four read each row in two passes, 1.3x slower from memory); narrow blocks split the
+// keys over chains (key j into chain j mod C, added at the end) to hide the FMA latency.
 void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, int64_t dim, float* out) {
-  constexpr int W = kNarrow, kUnits = 4, kChains = 4;
+  constexpr int W = kNarrow, kUnits = 8;
   const int64_t full = dim / W;
   auto block = [&](auto units, int64_t u0) __attribute__((always_inline)) {
-    constexpr int U = decltype(units)::value;
-    Lanes<W> acc[kChains][U] = {};
+    constexpr int U = decltype(units)::value, C = U >= 8 ? 1 : U >= 4 ? 2 : 4;
+    Lanes<W> acc[C][U] = {};
     int64_t j = 0;
-    for (; j + kChains <= n; j += kChains) {
-      for (int r = 0; r < kChains; ++r)
+    for (; j + C <= n; j += C) {
+      for (int r = 0; r < C; ++r)
         for (int u = 0; u < U; ++u) acc[r][u] += p[j + r] * ToLanes<W>(values + (j + r) * ld + (u0 + u) * W);
     }
     for (; j < n; ++j)
       for (int u = 0; u < U; ++u) acc[0][u] += p[j] * ToLanes<W>(values + j * ld + (u0 + u) * W);
     for (int u = 0; u < U; ++u) {
-      const Lanes<W> sum = (acc[0][u] + acc[1][u]) + (acc[2][u] + acc[3][u]);
+      Lanes<W> sum = acc[0][u];
+      for (int r = 1; r < C; ++r) sum += acc[r][u];
       std::memcpy(out + (u0 + u) * W, &sum, sizeof sum);
     }
   };
   int64_t u0 = 0;
   for (; u0 + kUnits <= full; u0 += kUnits) block(std::integral_constant<int, kUnits>{}, u0);
-  for (; u0 < full; ++u0) block(std::integral_constant<int, 1>{}, u0);
+  if (full - u0 >= 4) block(std::integral_constant<int, 4>{}, u0), u0 += 4;
+  if (full - u0 >= 2) block(std::integral_constant<int, 2>{}, u0), u0 += 2;
+  if (full - u0 >= 1) block(std::integral_constant<int, 1>{}, u0), u0 += 1;
   for (int64_t c = full * W; c < dim; ++c) {
     float sum = 0.0f;
     for (int64_t j = 0; j < n; ++j) sum += p[j] * values[j * ld + c];
