@@ -243,6 +243,10 @@ class Router(nn.Module):
         """z_k = mu + sigma * eps_k for eps of shape [K] or [..., K]; returns [..., K]."""
         return self.mu(x) + F.softplus(self.sigma(x)) * eps
 
+    def window_starts(self, x: torch.Tensor, eps: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.Tensor:
+        """The windows this router picks: starts [..., K] int64 (SPEC §3)."""
+        return window_starts(self(x, eps), ffn_hidden, slice_width)
+
 
 class InfMoE(nn.Module):
     def __init__(self, config: InfMoEConfig):

@@ -28,7 +28,7 @@ from ..contract import (BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST
                         custom_op_types)
 from ..errors import InfMoEError
 from ..files import output_file
-from ..model import InfMoEGPT, gelu_tanh, quantile_noise, window_starts
+from ..model import InfMoEGPT, gelu_tanh, quantile_noise
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QuantizedWeight
 from .function import ir_functions
 from .ort_target import OrtDecoder, finish_ort_graph
@@ -66,7 +66,7 @@ class _ExportMoE(nn.Module):
 
     def forward(self, x, eps):
         m = self.moe
-        starts = window_starts(m.router(x, eps), m.ffn_hidden, m.slice_width)
+        starts = m.router.window_starts(x, eps, m.ffn_hidden, m.slice_width)
         h = x.to(self.dtype)
         if m.slice_width == m.ffn_hidden:  # every window is the whole FFN: an ordinary MLP
             y = gelu_tanh(F.linear(h, m.w_in, m.b_in)) @ m.w_out + m.b_out

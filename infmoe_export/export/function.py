@@ -22,7 +22,8 @@ different widths, which cannot be stacked: onnxruntime fails there, as for unbro
 has onnxruntime's own MatMulNBits as its body: same inputs, attributes and storage, so an
 onnxruntime without our kernel runs exactly the node it would have run without the op.
 `infmoe::DecoderAttention` (the onnxruntime target's attention, docs/onnxruntime-kernel.md) has
-GroupQueryAttention as its body in the same way.
+GroupQueryAttention as its body in the same way, and `infmoe::WindowStarts` (its router and window
+starts in one node) the ten standard ops the target wrote before.
 """
 
 import math
@@ -37,7 +38,7 @@ from ..contract import DOMAIN, OP_TYPE, OP_VERSION
 from ..model import GELU_TANH_C, GELU_TANH_CUBIC
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QMATMUL_OP_TYPE
 
-ATTENTION_OP_TYPE = "DecoderAttention"
+ATTENTION_OP_TYPE, ROUTER_OP_TYPE = "DecoderAttention", "WindowStarts"
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
 contrib = values.Opset("com.microsoft", 1)
@@ -156,8 +157,18 @@ def DecoderAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length
     return y, present_key, present_value
 
 
+@script(infmoe, default_opset=op)
+def WindowStarts(X, weight, bias, eps, ffn_hidden: int, slice_width: int):
+    # SPEC §3: z = mu + softplus(s) eps with [mu, s] = X weight + bias, starts = floor(sigmoid(z)
+    # (H - r + 1)) clamped at H - r; the floor left to Cast (truncation of a value >= 0).
+    mu, sigma = op.Split(op.Add(op.MatMul(X, weight), bias), num_outputs=2, axis=-1)
+    z = op.Add(mu, op.Mul(op.Softplus(sigma), eps))
+    last = op.Cast(op.Sub(op.Constant(value_int=ffn_hidden), op.Constant(value_int=slice_width)), to=TensorProto.FLOAT)
+    return op.Cast(op.Clip(op.Mul(op.Sigmoid(z), op.Add(last, 1.0)), None, last), to=TensorProto.INT64)
+
+
 FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN),
-             QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,)}
+             QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,), ROUTER_OP_TYPE: (WindowStarts,)}
 
 
 def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
@@ -224,4 +235,17 @@ def attention_model(num_heads: int, with_function: bool = False, past: bool = Tr
     graph = helper.make_graph([node], "decoder_attention", inputs, outputs)
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
     functions = [DecoderAttention.to_function_proto()] if with_function else []
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+
+
+def window_starts_model(ffn_hidden: int, slice_width: int, with_function: bool = False):
+    """A one-node model of `infmoe::WindowStarts` (inputs X, weight, bias, eps of free shape):
+    tests, fuzzing; with_function attaches its fallback (the standard ops)."""
+    names = ["X", "weight", "bias", "eps"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
+    node = helper.make_node(ROUTER_OP_TYPE, names, ["starts"], domain=DOMAIN, ffn_hidden=ffn_hidden,
+                            slice_width=slice_width)
+    graph = helper.make_graph([node], "window_starts", inputs, [helper.make_tensor_value_info("starts", TensorProto.INT64, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
+    functions = [WindowStarts.to_function_proto()] if with_function else []
     return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)

@@ -12,9 +12,10 @@ expert op, `window_starts` included) but writes each layer as
                (com.microsoft GroupQueryAttention as its fallback function: the node onnxruntime
                runs without our kernel library; docs/onnxruntime-kernel.md)
     ln_2, h  = com.microsoft SkipLayerNormalization(attn @ proj, x, ln_2, bias = proj.bias)
-    router   = MatMul + Add (mu and sigma as one [D, 2] matrix, h.{i}.moe.router.weight) + Split,
-               Softplus, Mul, Add, then window_starts without its Floor (Sigmoid, Mul, Clip, Cast:
-               `_drop_floor`)
+    starts   = infmoe::WindowStarts(ln_2, the router's mu and sigma as one [D, 2] matrix
+               h.{i}.moe.router.weight, its [2] bias, eps): the router and SPEC §3's starts in one
+               node; its fallback function is the ten standard ops (MatMul, Add, Split, Softplus,
+               Mul, Add, Sigmoid, Mul, Clip, Cast)
     expert   = infmoe::ContinuousSliceFFN
     ln_1', x = SkipLayerNormalization(expert, h, next layer's ln_1 (ln_f after the last))
 
@@ -37,7 +38,7 @@ from torch import nn
 
 from ..contract import DOMAIN, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, DecoderIO
 from ..errors import InfMoEError
-from .function import ATTENTION_OP_TYPE
+from .function import ATTENTION_OP_TYPE, ROUTER_OP_TYPE
 
 MS_DOMAIN = "com.microsoft"
 # onnxruntime's GroupQueryAttention kernels (the attention's fallback) refuse other head sizes at run time.
@@ -68,19 +69,20 @@ def _op(op_type: str, inputs, shape, dtype, **attributes):
 
 
 class _FusedRouter(nn.Module):
-    """The router (model.Router) with mu and sigma in one [2, D] weight, and ONNX's Softplus
-    instead of torch's (whose threshold at 20 exports as Greater + Where): onnxruntime's
-    Softplus is computed stably (x + log1p(exp(-x)) for x > 0), equal to torch's in float32."""
+    """The router (model.Router) with mu and sigma in one [2, D] weight, written with its window
+    starts as one infmoe::WindowStarts node (its fallback function computes ONNX's Softplus, which
+    onnxruntime computes stably, x + log1p(exp(-x)) for x > 0: equal to torch's in float32)."""
 
     def __init__(self, router: nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.cat([router.mu.weight, router.sigma.weight]).detach())
         self.bias = nn.Parameter(torch.cat([router.mu.bias, router.sigma.bias]).detach())
 
-    def forward(self, x, eps):
-        mu, sigma = F.linear(x, self.weight, self.bias).split(1, dim=-1)
-        softplus = torch.onnx.ops.symbolic("Softplus", (sigma,), dtype=sigma.dtype, shape=sigma.shape)
-        return mu + softplus * eps
+    def window_starts(self, x, eps, ffn_hidden: int, slice_width: int):
+        shape = [*x.shape[:-1], eps.shape[-1]]
+        return torch.onnx.ops.symbolic(f"{DOMAIN}::{ROUTER_OP_TYPE}", (x, self.weight.T, self.bias, eps),
+                                       dict(ffn_hidden=ffn_hidden, slice_width=slice_width), dtype=torch.int64,
+                                       shape=shape, version=1)
 
 
 class OrtDecoder(nn.Module):
@@ -186,38 +188,22 @@ def decoder_attention(qkv, past_key, past_value, seqlens_k, total_sequence_lengt
     return y, present[0], present[1]
 
 
-def _drop_floor(graph: ir.Graph):
-    """window_starts' Floor(sigmoid(z) * (H - r + 1)), clamped at H - r and cast to int64, without
-    the Floor: its argument is >= 0, where Cast's truncation is floor, and a clamp at an integer
-    commutes with it, so Clip then Cast gives the same starts bit for bit, one node fewer a layer."""
-    for floor in list(graph):
-        if floor.op_type != "Floor" or floor.domain:
-            continue
-        scaled = floor.inputs[0]
-        mul = scaled.producer()
-        if mul is None or mul.op_type != "Mul" or not any(
-                v.producer() is not None and v.producer().op_type == "Sigmoid" for v in mul.inputs):
-            continue
-        uses = list(floor.outputs[0].uses())
-        if len(uses) != 1 or uses[0][0].op_type != "Clip" or uses[0][1] != 0:
-            continue
-        clip = uses[0][0]
-        if len(clip.inputs) > 1 and clip.inputs[1] is not None:  # a lower bound: not window_starts'
-            continue
-        if not all(node.op_type == "Cast" and node.attributes["to"].as_int() == ir.DataType.INT64
-                   for node, _ in clip.outputs[0].uses()):
-            continue
-        clip.replace_input_with(0, scaled)
-        graph.remove(floor, safe=True)
+def window_starts_reference(x, weight, bias, eps, ffn_hidden: int, slice_width: int):
+    """What infmoe::WindowStarts computes (SPEC §3), in float64 numpy: (starts, the value before
+    the floor). float32 sums in another order may land on the other side of an integer where the
+    value lies within a hair of it: compare such starts up to one."""
+    mu_s = np.asarray(x, np.float64) @ np.asarray(weight, np.float64) + np.asarray(bias, np.float64)
+    z = mu_s[..., :1] + np.logaddexp(0.0, mu_s[..., 1:]) * np.asarray(eps, np.float64)
+    value = np.minimum(1.0 / (1.0 + np.exp(-z)) * (ffn_hidden - slice_width + 1), ffn_hidden - slice_width)
+    return np.floor(value).astype(np.int64), value
 
 
 def finish_ort_graph(graph: ir.Graph):
     """Name the attention's two length inputs as the contract does (one value each, shared by
     every layer), and the nodes written here after their module, as the exporter names the
     others: '/h.0.attn/DecoderAttention' (the layers in order), '/h.0.ln_2/
-    SkipLayerNormalization', '/h.0.attn.proj/MatMul' (from their first weight), the router's Split
-    after the node before it. Drops window_starts' Floor first (`_drop_floor`)."""
-    _drop_floor(graph)
+    SkipLayerNormalization', '/h.0.attn.proj/MatMul' (from their first weight); the exporter
+    names the rest ('/h.0.moe/WindowStarts')."""
     used = {node.name for node in graph}
     layer = 0
 
@@ -238,8 +224,6 @@ def finish_ort_graph(graph: ir.Graph):
             layer += 1
         elif node.name.startswith("/h.") or node.name.startswith("/wte") or node.name.startswith("/wpe"):
             continue
-        elif node.op_type == "Split" and node.inputs[0].producer() is not None:
-            rename(node, node.inputs[0].producer().name.rsplit("/", 1)[0] + "/Split")
         else:
             weights = [v.name for v in node.inputs if v is not None and v.is_initializer() and "." in v.name]
             if weights:

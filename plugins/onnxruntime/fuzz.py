@@ -1,10 +1,13 @@
-"""Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN, infmoe::QMatMul and
-infmoe::DecoderAttention through onnxruntime, meant for the AddressSanitizer + UBSan build.
+"""Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN, infmoe::QMatMul,
+infmoe::DecoderAttention and infmoe::WindowStarts through onnxruntime, meant for the
+AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows: 35% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (caches
+windows: 30% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (caches
 of up to 300 positions, rows of different lengths, past absent; invalid: a dimension changed,
-seqlens_k out of range, total_sequence_length 0, a wrong element type); about a third are invalid (starts
+seqlens_k out of range, total_sequence_length 0, a wrong element type), 10% WindowStarts (eps
+shared or per token; invalid: a dimension changed, slice_width outside [1, H], a wrong element
+type); about a third are invalid (starts
 out of range, a mismatched or missing dimension, slice_width > H; for the quantized ops also bits
 and block sizes outside SPEC §6, and packed weights, scales or biases of the wrong element type;
 for QMatMul a K or N attribute that disagrees with the tensors). A valid case must match the
@@ -29,8 +32,8 @@ import torch
 from onnx import helper
 
 from infmoe_export.model import continuous_slice_ffn
-from infmoe_export.export.function import attention_model, op_model, qmatmul_model
-from infmoe_export.export.ort_target import decoder_attention
+from infmoe_export.export.function import attention_model, op_model, qmatmul_model, window_starts_model
+from infmoe_export.export.ort_target import decoder_attention, window_starts_reference
 from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
 from infmoe_export.runtimes import ort_kernel
 
@@ -250,6 +253,50 @@ def attention_problem(feeds, heads):
     return None
 
 
+def random_router_case(rng):
+    """(feeds, H, r, problem) of WindowStarts."""
+    lead = tuple(int(n) for n in rng.integers(0, 4, size=rng.integers(1, 3)))
+    if rng.random() < 0.1:
+        lead = (int(rng.integers(4, 200)),)
+    d, k = int(rng.integers(1, 300)), int(rng.integers(1, 9))
+    h = int(rng.integers(1, 4000))
+    r = int(rng.integers(1, h + 1))
+    feeds = {"X": rng.standard_normal(lead + (d,)).astype(np.float32),
+             "weight": (rng.standard_normal((d, 2)) * 3 / np.sqrt(d)).astype(np.float32),
+             "bias": rng.standard_normal(2).astype(np.float32),
+             "eps": rng.standard_normal(lead + (k,) if rng.random() < 0.5 else (k,)).astype(np.float32)}
+    roll = rng.random()
+    if roll < 0.15:
+        name = str(rng.choice(list(feeds)))
+        shape = list(feeds[name].shape)
+        if rng.random() < 0.7:
+            axis = int(rng.integers(len(shape)))
+            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
+        else:
+            shape = shape[:-1] if rng.random() < 0.5 else shape + [1]
+        feeds[name] = rng.standard_normal(shape).astype(np.float32)
+    elif roll < 0.2:
+        r = int(rng.choice([0, -3, h + 1]))
+    elif roll < 0.23:
+        name = str(rng.choice(["weight", "bias", "eps"]))
+        feeds[name] = feeds[name].astype(np.float64)
+    return feeds, h, r, router_problem(feeds, h, r)
+
+
+def router_problem(feeds, h, r):
+    """Why WindowStarts must refuse these inputs, or None."""
+    if not 1 <= r <= h:
+        return "attribute"
+    if any(v.dtype != np.float32 for v in feeds.values()):
+        return "type"
+    x, eps = feeds["X"].shape, feeds["eps"].shape
+    if not x or feeds["weight"].shape != (x[-1], 2) or feeds["bias"].shape != (2,):
+        return "shape"
+    if not (len(eps) == 1 or (eps and eps[:-1] == x[:-1])) or eps[-1] < 1:
+        return "shape"
+    return None
+
+
 def reference(feeds, r, bits, block):
     tensors = [torch.from_numpy(v) for v in feeds.values()]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
@@ -259,8 +306,8 @@ def reference(feeds, r, bits, block):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN, QMatMul and "
-                                                 "DecoderAttention kernels.")
+    parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN, QMatMul, "
+                                                 "DecoderAttention and WindowStarts kernels.")
     parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -289,8 +336,13 @@ def main():
     findings, counts = [], {}
     for case in range(args.cases):
         roll = rng.random()
-        kind = "float" if roll < 0.35 else "quantized" if roll < 0.7 else "matmul" if roll < 0.85 else "attention"
-        if kind == "attention":
+        kind = ("float" if roll < 0.3 else "quantized" if roll < 0.6 else "matmul" if roll < 0.75 else
+                "attention" if roll < 0.9 else "router")
+        if kind == "router":
+            feeds, h, r, problem = random_router_case(rng)
+            dtype, key = np.float32, ("router", h, r)
+            make_model = lambda: window_starts_model(h, r)  # noqa: E731
+        elif kind == "attention":
             feeds, heads, problem = random_attention_case(rng)
             dtype, key = np.float32, ("attention", heads, "past_key" in feeds)
             make_model = lambda: attention_model(heads, past="past_key" in feeds)  # noqa: E731
@@ -317,6 +369,12 @@ def main():
             continue
         if error is not None:
             findings.append(f"case {case}: valid ({label}) but raised: {error}")
+            continue
+        if kind == "router":
+            expected, value = window_starts_reference(*feeds.values(), h, r)
+            near = np.abs(value - np.round(value)) < 1e-4 + 2e-6 * (h - r + 1)  # as tests/test_ort_window_starts.py
+            if y.shape != expected.shape or (np.abs(y - expected) > near).any():
+                findings.append(f"case {case}: wrong starts ({label}, shape {y.shape} vs {expected.shape})")
             continue
         if kind == "attention":
             expected = decoder_attention(*(feeds.get(n) for n in ("qkv", "past_key", "past_value", "seqlens_k",

@@ -80,6 +80,16 @@ void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const float
                       const int32_t* seqlens_k, const float* attention_bias, float* y, float* present_key,
                       float* present_value, const ParallelFor& parallel_for);
 
+// infmoe::WindowStarts (docs/onnxruntime-kernel.md): per token, SPEC §3's router z_k = mu + softplus(s)
+// eps_k with [mu, s] = x . weight + bias (weight [d, 2]), then starts = min(sigmoid(z) (h - r + 1),
+// h - r) truncated to int64 (INT64_MIN for NaN). eps: k values shared by all tokens, or k per token.
+struct RouterSizes {
+  int64_t tokens, d, k, h, r;
+  bool eps_per_token;
+};
+void WindowStarts(const RouterSizes& sizes, const float* x, const float* weight, const float* bias, const float* eps,
+                  int64_t* starts, const ParallelFor& parallel_for);
+
 // The compiled variant ContinuousSliceFFN runs on this CPU: "avx512", "avx2" or "baseline"
 // (x86-64), "baseline" elsewhere. Chosen once, at the first call, with __builtin_cpu_supports;
 // the environment variable INFMOE_CPU_VARIANT can ask for a narrower one (tests, benchmarks),

@@ -1,5 +1,6 @@
 // onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4), infmoe::QContinuousSliceFFN v1
-// (SPEC §6), infmoe::QMatMul v1 and infmoe::DecoderAttention v1 (docs/onnxruntime-kernel.md):
+// (SPEC §6), infmoe::QMatMul v1, infmoe::DecoderAttention v1 and infmoe::WindowStarts v1
+// (docs/onnxruntime-kernel.md):
 // attribute, type and shape checks,
 // output allocation, the intra-op thread pool, and the RegisterCustomOps entry point.
 // Built against the C/C++ API with ORT_API_MANUAL_INIT; no onnxruntime library is linked.
@@ -188,10 +189,12 @@ struct Inputs {
   }
 };
 
-// What Op asks of a kernel beyond its name and inputs: one required output, every input required.
+// What Op asks of a kernel beyond its name and inputs: one required output of the op's type, every
+// input required.
 struct OneOutput {
   static constexpr size_t kOutputs = 1;
   static bool Optional(size_t) { return false; }
+  static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
 };
 
 // onnxruntime's intra-op pool as the computation's ParallelFor.
@@ -420,6 +423,7 @@ struct AttentionCpuKernel {
     return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   static bool Optional(size_t index) { return index == 1 || index == 2; }
+  static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
 
   int64_t heads;
   explicit AttentionCpuKernel(const OrtKernelInfo* info)
@@ -439,6 +443,69 @@ struct AttentionCpuKernel {
       infmoe::DecoderAttention(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), seqlens_k,
                                inputs.Data<float>(5), y.GetTensorMutableData<float>(), key.GetTensorMutableData<float>(),
                                value.GetTensorMutableData<float>(), ParallelForOf(context));
+    });
+  }
+};
+
+// WindowStarts: X [..., D] float32, weight [D, 2] (mu's column, then sigma's), bias [2], eps [K] or
+// [..., K] (X's leading dims); attributes ffn_hidden (H) and slice_width (r). Output starts int64
+// [..., K]. Types other than X's are checked here, by name.
+constexpr const char* kRouterNames[] = {"X", "weight", "bias", "eps"};
+
+infmoe::RouterSizes CheckRouter(const Inputs& in, int64_t h, int64_t r) {
+  for (size_t i : {1, 2, 3}) {
+    if (in.types[i] != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      Fail(std::string(kRouterNames[i]) + " must be float32, got " + TypeName(in.types[i]));
+    }
+  }
+  const auto& x = in.shapes[0];
+  if (x.empty()) Fail("X must have at least one dimension [..., D], got a scalar");
+  infmoe::RouterSizes s{1, x.back(), 0, h, r, false};
+  for (size_t i = 0; i + 1 < x.size(); ++i) s.tokens *= x[i];
+  RequireShape("weight", in.shapes[1], {s.d, 2}, "[D, 2]");
+  RequireShape("bias", in.shapes[2], {2}, "[2]");
+  const auto& eps = in.shapes[3];
+  if (eps.size() == 1) {
+    s.k = eps[0];
+  } else {
+    std::vector<int64_t> expected(x.begin(), x.end() - 1);
+    expected.push_back(eps.empty() ? 0 : eps.back());
+    if (eps.empty() || eps != expected) {
+      Fail("eps " + ShapeString(eps) + " must be [K] or X's leading dims and K = [..., K] with X " + ShapeString(x));
+    }
+    s.k = eps.back(), s.eps_per_token = true;
+  }
+  if (s.k < 1) Fail("eps " + ShapeString(eps) + " must hold at least one sample (K >= 1)");
+  return s;
+}
+
+struct WindowStartsCpuKernel : OneOutput {
+  static constexpr const char* kName = "WindowStarts";
+  static constexpr size_t kInputs = 4;
+  static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
+    return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType) {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+
+  int64_t h, r;
+  explicit WindowStartsCpuKernel(const OrtKernelInfo* info)
+      : h(RequiredInt(Ort::ConstKernelInfo(info), "ffn_hidden", "H, the expert's hidden units")),
+        r(RequiredInt(Ort::ConstKernelInfo(info), "slice_width", "r, the window's width")) {
+    if (r < 1 || r > h) Fail("slice_width must be in [1, ffn_hidden], got " + std::to_string(r) + " with ffn_hidden = " + std::to_string(h));
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
+    return Guard(kName, [&] {
+      Ort::KernelContext context(raw_context);
+      const Inputs inputs(context, kInputs);
+      const infmoe::RouterSizes s = CheckRouter(inputs, h, r);
+      std::vector<int64_t> shape(inputs.shapes[0].begin(), inputs.shapes[0].end() - 1);
+      shape.push_back(s.k);
+      Ort::UnownedValue starts = context.GetOutput(0, shape);
+      infmoe::WindowStarts(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), inputs.Data<float>(3),
+                           starts.GetTensorMutableData<int64_t>(), ParallelForOf(context));
     });
   }
 };
@@ -483,7 +550,7 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
     return Kernel::Optional(index) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return Kernel::kOutputs; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return Type; }
+  ONNXTensorElementDataType GetOutputType(size_t index) const { return Kernel::OutputType(index, Type); }
 
  private:
   const char* provider_;
@@ -497,6 +564,7 @@ Op<QuantizedCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_quan
 Op<QMatMulCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_matmul_float(nullptr);
 Op<QMatMulCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_matmul_half(nullptr);
 Op<AttentionCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_attention(nullptr);
+Op<WindowStartsCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_window_starts(nullptr);
 #ifdef INFMOE_WITH_CUDA
 Op<CudaKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cuda_float("CUDAExecutionProvider");
 Op<CudaKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cuda_half("CUDAExecutionProvider");
@@ -525,6 +593,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     domain.Add(&cpu_matmul_float);
     domain.Add(&cpu_matmul_half);
     domain.Add(&cpu_attention);
+    domain.Add(&cpu_window_starts);
 #ifdef INFMOE_WITH_CUDA
     domain.Add(&cuda_float);
     domain.Add(&cuda_half);
