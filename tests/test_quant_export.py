@@ -181,7 +181,7 @@ def test_dense_model_quantizes_its_experts_with_dequantize_linear(make_model, tm
 def test_onnxruntime_target_reads_quantized_matrices_packed(make_model, tmp_path, other, library):
     """GatherBlockQuantized and QMatMul on one packed wte, QMatMul for attention (D 24 at block 16:
     a padded block); level 1 with our kernel and through QMatMul's function (MatMulNBits)."""
-    model = make_model(d_model=24)  # head_dim 8, as GroupQueryAttention needs
+    model = make_model(d_model=24)  # head_dim 8, as GroupQueryAttention (DecoderAttention's fallback) needs
     exported = export_onnx(model, tmp_path / "m.onnx", dtype="int4", block_size=16, quantize_other=other,
                            target="onnxruntime")
     graph = onnx.load(str(exported.path))
@@ -190,7 +190,8 @@ def test_onnxruntime_target_reads_quantized_matrices_packed(make_model, tmp_path
     assert ops.count("GatherBlockQuantized") == 1 and ops.count("QMatMul") == 2 * layers + 1
     assert "DequantizeLinear" not in ops and "MatMulNBits" not in ops
     assert not {"wte.weight", "wte.weight.T"} & {t.name for t in graph.graph.initializer}
-    assert {f.name for f in graph.functions} == {"ContinuousSliceFFN", "QContinuousSliceFFN", "QMatMul"}
+    assert {f.name for f in graph.functions} == {"ContinuousSliceFFN", "QContinuousSliceFFN", "QMatMul",
+                                                 "DecoderAttention", "WindowStarts"}
     assert exported.has_function
     assert validate_onnx(model, exported, kernel=True).passed
     assert validate_onnx(model, exported, kernel=False).passed
