@@ -10,6 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from onnx import helper  # noqa: E402
 
 from infmoe_export.checkpoint import save_checkpoint  # noqa: E402
 from infmoe_export.cli import main  # noqa: E402
@@ -92,3 +93,14 @@ def library():
         pytest.skip("the onnxruntime kernel library is not installed (the package build found no C++ "
                     "compiler); reinstall with one: pip install -e .")
     return path
+
+
+def with_attributes(proto, attributes):
+    """A one-node model with its node's attributes overridden (None drops one): the kernels'
+    bad-attribute tests."""
+    node = proto.graph.node[0]
+    for name, value in (attributes or {}).items():
+        kept = [a for a in node.attribute if a.name != name]
+        del node.attribute[:]
+        node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
+    return proto

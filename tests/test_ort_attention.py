@@ -12,11 +12,12 @@ import os
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from infmoe_export.export.function import attention_model
 from infmoe_export.export.ort_target import decoder_attention
 from test_ort_kernel import relative_error
+from conftest import with_attributes
 from test_ort_qkernel import session
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
@@ -44,13 +45,7 @@ def reference(feeds, heads):
 
 
 def model(heads, past=True, attributes=None):
-    proto = attention_model(heads, past=past)
-    node = proto.graph.node[0]
-    for name, value in (attributes or {}).items():
-        kept = [a for a in node.attribute if a.name != name]
-        del node.attribute[:]
-        node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
-    return proto.SerializeToString()
+    return with_attributes(attention_model(heads, past=past), attributes).SerializeToString()
 
 
 def assert_matches(outputs, expected, tolerance=1e-5):

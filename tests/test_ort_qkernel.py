@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
 from infmoe_export.runtimes import ort_kernel
+from conftest import with_attributes
 from test_ort_kernel import make_starts, relative_error
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
@@ -28,12 +29,8 @@ def q_model(r, quantization, dtype=np.float32, types=None, **attributes):
     """The one-node model of the op, quantization = (bits, block size); `types` overrides inputs' element types and `attributes` the
     node's (None drops one): the bad-input tests."""
     bits, block = quantization
-    model = op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits, block_size=block)
-    node = model.graph.node[0]
-    for name, value in attributes.items():
-        kept = [a for a in node.attribute if a.name != name]
-        del node.attribute[:]
-        node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
+    model = with_attributes(op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits, block_size=block),
+                            attributes)
     for value_info in model.graph.input:
         if value_info.name in (types or {}):
             value_info.type.tensor_type.elem_type = types[value_info.name]

@@ -12,11 +12,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from infmoe_export.export.function import qmatmul_model
 from infmoe_export.quant import pack_blocks, q_matmul, quantize
 from test_ort_kernel import relative_error
+from conftest import with_attributes
 from test_ort_qkernel import session
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
@@ -36,12 +37,7 @@ def reference(feeds, bits, block):
 def model(k, n, bits, block, dtype=np.float32, attributes=None):
     """The one-node model; `attributes` override the node's (None drops one): the bad-input tests."""
     proto = qmatmul_model(k, n, bits, block, "float16" if dtype == np.float16 else "float32")
-    node = proto.graph.node[0]
-    for name, value in (attributes or {}).items():
-        kept = [a for a in node.attribute if a.name != name]
-        del node.attribute[:]
-        node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
-    return proto.SerializeToString()
+    return with_attributes(proto, attributes).SerializeToString()
 
 
 # (leading dims, K, N, block): K odd or not a multiple of the block (rows padded to whole blocks),

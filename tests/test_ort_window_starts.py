@@ -13,10 +13,11 @@ import os
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from infmoe_export.export.function import window_starts_model
 from infmoe_export.export.ort_target import window_starts_reference
+from conftest import with_attributes
 from test_ort_qkernel import session
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
@@ -83,13 +84,7 @@ def test_window_starts_bitwise_identical_across_threads(library):
 
 
 def _model(attributes):
-    proto = window_starts_model(40, 5)
-    node = proto.graph.node[0]
-    for name, value in attributes.items():
-        kept = [a for a in node.attribute if a.name != name]
-        del node.attribute[:]
-        node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
-    return proto.SerializeToString()
+    return with_attributes(window_starts_model(40, 5), attributes).SerializeToString()
 
 
 @pytest.mark.parametrize("attributes, message", [

@@ -76,6 +76,16 @@ def problem_of(feeds, r, bits=None, block=None):
                           [("w_out_q", packed), ("w_in_scale", scales), ("w_out_scale", scales)])
 
 
+def changed_shape(rng, shape) -> list:
+    """shape with one dimension changed, dropped or added: the bad-shape cases."""
+    shape = list(shape)
+    if shape and rng.random() < 0.7:
+        axis = int(rng.integers(len(shape)))
+        shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
+        return shape
+    return shape[:-1] if shape and rng.random() < 0.5 else shape + [1]
+
+
 def random_case(rng, quantized):
     """(feeds, r, dtype, bits, block, problem); bits and block are None for the float op."""
     lead = tuple(int(n) for n in rng.integers(0, 5, size=rng.integers(0, 3)))
@@ -113,14 +123,7 @@ def random_case(rng, quantized):
         feeds["starts"].reshape(-1)[rng.integers(feeds["starts"].size)] = bad
     elif roll < 0.25:  # one input gets a dimension changed, dropped or added
         name = names[rng.integers(len(names))]
-        shape = list(feeds[name].shape)
-        if shape and rng.random() < 0.7:
-            axis = int(rng.integers(len(shape)))
-            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
-        elif shape and rng.random() < 0.5:
-            shape = shape[:-1]
-        else:
-            shape = shape + [1]
+        shape = changed_shape(rng, feeds[name].shape)
         kind = feeds[name].dtype
         feeds[name] = np.full(shape, 0 if kind == np.int64 else 128, kind) if kind.kind in "iu" \
             else rng.standard_normal(shape).astype(kind)
@@ -154,12 +157,7 @@ def random_matmul_case(rng):
     roll = rng.random()
     if roll < 0.15:  # one input gets a dimension changed, dropped or added
         name = str(rng.choice(list(feeds)))
-        shape = list(feeds[name].shape)
-        if rng.random() < 0.7:
-            axis = int(rng.integers(len(shape)))
-            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
-        else:
-            shape = shape[:-1] if rng.random() < 0.5 else shape + [1]
+        shape = changed_shape(rng, feeds[name].shape)
         kind = feeds[name].dtype
         feeds[name] = np.full(shape, 136, kind) if kind == np.uint8 else rng.standard_normal(shape).astype(kind)
     elif roll < 0.2:
@@ -209,12 +207,7 @@ def random_attention_case(rng):
     roll = rng.random()
     if roll < 0.15:  # one input gets a dimension changed, dropped or added
         name = str(rng.choice(list(feeds)))
-        shape = list(feeds[name].shape)
-        if shape and rng.random() < 0.7:
-            axis = int(rng.integers(len(shape)))
-            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
-        else:
-            shape = shape[:-1] if shape and rng.random() < 0.5 else shape + [1]
+        shape = changed_shape(rng, feeds[name].shape)
         feeds[name] = (rng.integers(0, total + 1, size=shape) if name in ("seqlens_k", "total_sequence_length")
                        else rng.standard_normal(shape)).astype(feeds[name].dtype)
     elif roll < 0.22 and batch:
@@ -266,15 +259,9 @@ def random_router_case(rng):
              "bias": rng.standard_normal(2).astype(np.float32),
              "eps": rng.standard_normal(lead + (k,) if rng.random() < 0.5 else (k,)).astype(np.float32)}
     roll = rng.random()
-    if roll < 0.15:
+    if roll < 0.15:  # one input gets a dimension changed, dropped or added
         name = str(rng.choice(list(feeds)))
-        shape = list(feeds[name].shape)
-        if rng.random() < 0.7:
-            axis = int(rng.integers(len(shape)))
-            shape[axis] = max(0, shape[axis] + int(rng.choice([-1, 1, 2])))
-        else:
-            shape = shape[:-1] if rng.random() < 0.5 else shape + [1]
-        feeds[name] = rng.standard_normal(shape).astype(np.float32)
+        feeds[name] = rng.standard_normal(changed_shape(rng, feeds[name].shape)).astype(np.float32)
     elif roll < 0.2:
         r = int(rng.choice([0, -3, h + 1]))
     elif roll < 0.23:
