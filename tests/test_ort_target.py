@@ -108,6 +108,21 @@ def test_the_onnxruntime_target_keeps_its_node_count(exports, tmp_path):
     assert _ops(tmp_path / "optimized.onnx") == _ort_target_ops(CONFIG.n_layer)
 
 
+def test_a_cuda_session_leaves_the_cpu_only_ops_to_their_functions(exports, tmp_path, library):
+    """Registered for a session with CUDA's provider, the library leaves out the ops that have a
+    CPU kernel only, so their nodes run their functions (on the GPU there) instead of being pulled
+    onto the CPU; the expert op keeps its kernel. Checked on the CPU: the same options, the
+    optimized graph."""
+    options = onnxruntime.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    assert register(options, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    onnxruntime.InferenceSession(str(exports["onnxruntime"].path), options, providers=["CPUExecutionProvider"])
+    ops = _ops(tmp_path / "optimized.onnx")
+    assert ops[("com.microsoft", "GroupQueryAttention")] == CONFIG.n_layer and ops[("", "Softplus")] == CONFIG.n_layer
+    assert not ops[("infmoe", "DecoderAttention")] and not ops[("infmoe", "WindowStarts")]
+    assert ops[("infmoe", "ContinuousSliceFFN")] == CONFIG.n_layer
+
+
 @pytest.mark.parametrize("options", [dict(k=3, noise="sampled", with_starts=True), dict(past=False),
                                      dict(dtype="fp16")], ids=["sampled-starts", "no-past", "fp16"])
 def test_export_variants_on_the_onnxruntime_target(model, tmp_path, options):

@@ -68,14 +68,14 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
         options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
-    registered = kernel and ort_kernel.register(options)
+    providers = list(providers) if providers else default_providers()
+    registered = kernel and ort_kernel.register(options, providers)
     # Only a dense model (slice_width == ffn_hidden) is exported without the custom op.
     if not registered and not model.has_function and not model.io.config.is_dense:
         raise InfMoEError(f"{model.path} was exported with --no-function and the onnxruntime kernel is not "
                           "available: install it (docs/onnxruntime-kernel.md) or re-export with the fallback function")
     try:
-        return ort.InferenceSession(str(model.path), sess_options=options,
-                                    providers=list(providers) if providers else default_providers())
+        return ort.InferenceSession(str(model.path), sess_options=options, providers=providers)
     except Exception as error:  # onnxruntime raises its own exception types
         raise InfMoEError(f"onnxruntime cannot load {model.path}: {str(error).strip().splitlines()[0]}") from None
 

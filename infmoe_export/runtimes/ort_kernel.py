@@ -61,9 +61,21 @@ def _fall_back(reason: str):
         _warned = True
 
 
-def register(session_options) -> bool:
-    """Register the kernel on an onnxruntime.SessionOptions. False when the library is absent or
-    does not load (said once per process): the model then runs on its fallback function."""
+# Session config entry the library reads when it is registered: "0" registers only the ops that
+# have a CUDA kernel (ContinuousSliceFFN). An op with a CPU kernel only would pull its nodes onto
+# the CPU in a CUDA session, since onnxruntime inlines a node's fallback function only when no
+# provider claims the node; left out, its function runs on the GPU (GroupQueryAttention,
+# MatMulNBits, standard ops).
+CPU_ONLY_OPS = "infmoe.cpu_only_ops"
+
+
+def register(session_options, providers=()) -> bool:
+    """Register the kernel on an onnxruntime.SessionOptions, for a session with these providers
+    (names or (name, options) pairs; with CUDA's, the CPU-only ops are left to their functions).
+    False when the library is absent or does not load (said once per process): the model then
+    runs on its fallback function."""
+    if any((p if isinstance(p, str) else p[0]) == "CUDAExecutionProvider" for p in providers):
+        session_options.add_session_config_entry(CPU_ONLY_OPS, "0")
     library = custom_op_library()
     if library is None or not library.is_file():
         where = f"{ENV_VAR}={library}" if library is not None else f"no {LIBRARY_PATH} installed"

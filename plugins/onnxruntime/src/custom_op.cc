@@ -9,6 +9,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <algorithm>
+#include <initializer_list>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -22,6 +23,8 @@
 namespace {
 
 constexpr const char* kDomain = "infmoe";
+// Session config entry: "0" registers only the ops that have a CUDA kernel (RegisterCustomOps).
+constexpr const char* kCpuOnlyOpsKey = "infmoe.cpu_only_ops";
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::ostringstream out;
@@ -585,20 +588,25 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   }
   Ort::InitApi(api);
   return Guard("RegisterCustomOps", [&] {
+    Ort::UnownedSessionOptions session_options(options);
     Ort::CustomOpDomain domain(kDomain);
     domain.Add(&cpu_float);
     domain.Add(&cpu_half);
-    domain.Add(&cpu_quantized_float);
-    domain.Add(&cpu_quantized_half);
-    domain.Add(&cpu_matmul_float);
-    domain.Add(&cpu_matmul_half);
-    domain.Add(&cpu_attention);
-    domain.Add(&cpu_window_starts);
+    // The ops with a CPU kernel only are left out where the session asks so (runtimes/ort.py does
+    // for a session with the CUDA provider): registered, they would pull their nodes onto the
+    // CPU, since onnxruntime inlines a node's fallback function only when no provider claims
+    // the node; left out, the function runs on the GPU (GroupQueryAttention, MatMulNBits).
+    if (session_options.GetConfigEntryOrDefault(kCpuOnlyOpsKey, "1") != "0") {
+      for (OrtCustomOp* op : std::initializer_list<OrtCustomOp*>{&cpu_quantized_float, &cpu_quantized_half, &cpu_matmul_float,
+                                                                 &cpu_matmul_half, &cpu_attention, &cpu_window_starts}) {
+        domain.Add(op);
+      }
+    }
 #ifdef INFMOE_WITH_CUDA
     domain.Add(&cuda_float);
     domain.Add(&cuda_half);
 #endif
-    Ort::UnownedSessionOptions(options).Add(domain);
+    session_options.Add(domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));
   });
