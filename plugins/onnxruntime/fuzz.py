@@ -192,8 +192,7 @@ def random_attention_case(rng):
     sequence = int(rng.integers(0, 5)) if rng.random() < 0.8 else int(rng.integers(5, 150))
     past = int(rng.integers(0, 300)) if rng.random() < 0.8 else 0
     lengths = rng.integers(0, past + 1, size=batch) + sequence
-    total = int(max(lengths, default=0) + rng.integers(0, 3)) if rng.random() < 0.9 else int(max(lengths, default=1))
-    total = max(total, 1)
+    total = max(min(int(max(lengths, default=0) + rng.integers(0, 3)), past + sequence), 1)
     bias = rng.standard_normal((int(rng.choice([1, batch])) if batch else 1, 1, sequence, total))
     bias[rng.random(bias.shape) < 0.1] = np.finfo(np.float32).min
     feeds = {"qkv": rng.standard_normal((batch, sequence, 3 * heads * dim)).astype(np.float32),
@@ -213,7 +212,7 @@ def random_attention_case(rng):
     elif roll < 0.22 and batch:
         feeds["seqlens_k"][int(rng.integers(batch))] += int(rng.choice([-sequence - 1, past + 1, 1000, -(2 ** 31) + 1]))
     elif roll < 0.25:
-        feeds["total_sequence_length"][0] = int(rng.choice([0, -5]))
+        feeds["total_sequence_length"][0] = int(rng.choice([0, -5, past + sequence + 1, 2 ** 31 - 1]))
     elif roll < 0.28:
         name = str(rng.choice(list(feeds)))
         feeds[name] = feeds[name].astype(np.int64 if feeds[name].dtype == np.int32 else np.float64)
@@ -235,7 +234,7 @@ def attention_problem(feeds, heads):
     if feeds["seqlens_k"].shape != (batch,):
         return "shape"
     total = int(total.reshape(-1)[0])
-    if total < 1:
+    if not 1 <= total <= past + sequence:
         return "total"
     bias = feeds["attention_bias"].shape
     if len(bias) != 4 or bias[0] not in (1, batch) or bias[1:] != (1, sequence, total):

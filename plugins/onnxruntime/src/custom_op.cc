@@ -1,8 +1,7 @@
 // onnxruntime glue for infmoe::ContinuousSliceFFN v1 (SPEC §4), infmoe::QContinuousSliceFFN v1
 // (SPEC §6), infmoe::QMatMul v1, infmoe::DecoderAttention v1 and infmoe::WindowStarts v1
-// (docs/onnxruntime-kernel.md):
-// attribute, type and shape checks,
-// output allocation, the intra-op thread pool, and the RegisterCustomOps entry point.
+// (docs/onnxruntime-kernel.md): attribute, type and shape checks, output allocation, the intra-op
+// thread pool, and the RegisterCustomOps entry point.
 // Built against the C/C++ API with ORT_API_MANUAL_INIT; no onnxruntime library is linked.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -398,7 +397,12 @@ infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int
     Fail("total_sequence_length " + ShapeString(total) + " must hold one value");
   }
   s.total = *in.Data<int32_t>(4);
-  if (s.total < 1) Fail("total_sequence_length must be >= 1, got " + std::to_string(s.total));
+  // At most past + sequence: present (max(past, total) positions) is then no larger than the
+  // inputs it is made of, whatever the value says.
+  if (s.total < 1 || s.total > s.past + s.sequence) {
+    Fail("total_sequence_length must be in [1, past + sequence] = [1, " + std::to_string(s.past + s.sequence) +
+         "], got " + std::to_string(s.total));
+  }
   s.present = std::max(s.past, s.total);
   const auto& bias = in.shapes[5];
   if (bias.size() != 4 || (bias[0] != 1 && bias[0] != s.batch) || bias[1] != 1 || bias[2] != s.sequence ||
