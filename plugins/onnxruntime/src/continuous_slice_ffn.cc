@@ -190,7 +190,8 @@ struct FloatRows {
 // Software prefetch of float rows at decode, on Intel's cores only. Measured on a Xeon (AVX-512,
 // 2026-12-03, bench_qop's layer, K 1/2/8, 1 and 2 threads, old and new library interleaved): the
 // fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x,
-// 8 KB as 4 KB); on Zen 4 prefetching 1-4 KB ahead made the same loops 1.02-1.2x slower.
+// 8 KB as 4 KB), the fp16 op 0.77-0.81x; on Zen 4 prefetching 1-4 KB ahead made the same loops
+// 1.02-1.2x slower.
 bool FloatPrefetch() {
 #if defined(__x86_64__)
   static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
@@ -1194,7 +1195,7 @@ template <typename T>
 void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
          const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   FloatRows<T> rows_in{w_in, s.d}, rows_out{w_out, s.d};
-  rows_in.prefetch = rows_out.prefetch = std::is_same_v<T, float> && FloatPrefetch();  // fp16 rows: not measured
+  rows_in.prefetch = rows_out.prefetch = FloatPrefetch();
   Compute(s, x, starts, rows_in, b_in, rows_out, b_out, y, parallel_for);
 }
 
