@@ -89,7 +89,7 @@ constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode
 // K = 1: two).
 constexpr int64_t kChunkBytes = 512 << 10;
 constexpr int64_t kMaxChunkRows = 1024;
-constexpr int64_t kFloatPrefetchBytes = 4096;  // decode, float32 rows where FloatPrefetch(): prefetch distance
+constexpr int64_t kFloatPrefetchBytes = 4096;  // decode, float rows where FloatPrefetch(): prefetch distance
 constexpr int64_t kPrefetchRows = 2;       // decode, quantized rows on AVX-512: prefetch distance
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
@@ -162,6 +162,20 @@ inline Lanes<W> LoadLanes(const T* row, int64_t u, int64_t n) {
 // before scaling (zero beyond n) and Scale(row, b) the scale of the row's b-th block of
 // 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
 
+// Software prefetch of float rows at decode, on Intel's cores only. Measured on a Xeon (AVX-512,
+// 2026-12-03, bench_qop's layer, K 1/2/8, 1 and 2 threads, old and new library interleaved): the
+// fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x,
+// 8 KB as 4 KB), the fp16 op 0.77-0.81x; on Zen 4 prefetching 1-4 KB ahead made the same loops
+// 1.02-1.2x slower.
+bool FloatPrefetch() {
+#if defined(__x86_64__)
+  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
+  return intel;
+#else
+  return false;
+#endif
+}
+
 // A float [h, d] matrix (T = float, or half as uint16_t bits): one block, scale 1 (folded away).
 template <typename T>
 struct FloatRows {
@@ -170,7 +184,7 @@ struct FloatRows {
   const T* w;
   int64_t d;
   int block_shift = 62;
-  bool prefetch = false;  // decode: software prefetch (FloatPrefetch)
+  bool prefetch = FloatPrefetch();  // decode only: the prefill's loops never call Prefetch
   Row At(int64_t i) const { return w + i * d; }
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const { return LoadLanes<kWidth>(row, u, n); }
   float Scale(Row, int64_t) const { return 1.0f; }
@@ -186,20 +200,6 @@ struct FloatRows {
 #endif
   }
 };
-
-// Software prefetch of float rows at decode, on Intel's cores only. Measured on a Xeon (AVX-512,
-// 2026-12-03, bench_qop's layer, K 1/2/8, 1 and 2 threads, old and new library interleaved): the
-// fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x,
-// 8 KB as 4 KB), the fp16 op 0.77-0.81x; on Zen 4 prefetching 1-4 KB ahead made the same loops
-// 1.02-1.2x slower.
-bool FloatPrefetch() {
-#if defined(__x86_64__)
-  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
-  return intel;
-#else
-  return false;
-#endif
-}
 
 // A quantized [h, d] matrix (SPEC §6): unsigned storage with offset 2^(bits-1), int4 two columns
 // per byte (even column in the low nibble), one scale per block of block_size columns. Rows lie
@@ -1194,9 +1194,7 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
 template <typename T>
 void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
          const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  FloatRows<T> rows_in{w_in, s.d}, rows_out{w_out, s.d};
-  rows_in.prefetch = rows_out.prefetch = FloatPrefetch();
-  Compute(s, x, starts, rows_in, b_in, rows_out, b_out, y, parallel_for);
+  Compute(s, x, starts, FloatRows<T>{w_in, s.d}, b_in, FloatRows<T>{w_out, s.d}, b_out, y, parallel_for);
 }
 
 template <typename T>
