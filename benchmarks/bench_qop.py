@@ -3,7 +3,9 @@
 H 6144, r 1536, 12 weight copies cycled so that weights come from memory).
 
 Decode (one token), K = 1, 2, 8, at 1 and 2 intra-op threads: the fp32, int8 and int4 op and a
-MatMul [1, 768] x [768, 12288] cycling over 4 weights (151 MB, far beyond the caches), taking
+MatMul [1, 768] x [768, 12288] cycling over 12 weights (453 MB, each reused as seldom as the op's
+weights: with 4 weights, 151 MB, a 480 MiB L3 served part of them, 33.7 GB/s against 28.1 over
+604 MB or 1.8 GB at 2 threads, 17.4 against 16.3 at 1, on a Xeon, 2026-12-04), taking
 turns call by call (the order rotates every round) with an Identity node fed the op's six inputs:
 what a call costs onnxruntime and the Python binding (~50 us here), not the op. The op alone is
 each call minus that round's Identity call. Reported: raw medians, the op's net time and GB/s (the
@@ -15,20 +17,30 @@ node: a tiny op (H 16, r 1) against an Identity node fed the same six inputs, in
 their own, paired the same way. Prefill: 512 tokens, each quantized kernel's time over the fp32
 kernel's, paired the same way.
 
-    .venv/bin/python benchmarks/bench_qop.py [--rounds 200] [--json runs/bench_qop.json]
+    .venv/bin/python benchmarks/bench_qop.py [--rounds 200] [--pool shared|session] [--json runs/bench_qop.json]
 
-No session spins between calls (session.intra_op.allow_spinning = 0): each session has its own
-pool, whose spinning threads would steal the two cores from the next session's call.
+Thread pools (--pool): `shared` (default) runs every session of a thread count on one process-wide
+pool (onnxruntime's global intra-op pool; one child process per thread count), whose threads spin
+between calls as onnxruntime's do by default: what each node of a model sees, its nodes running
+back to back on one session's pool. `session`: a pool per session that never spins
+(session.intra_op.allow_spinning = 0; spinning pools would steal the two cores from the next
+session's call), so every 2-thread call pays the wake-up of its second thread (tens of us; the
+int4 op at K = 1 took longer with 2 threads than with 1 this way).
 """
 
 import argparse
+import json
 import os
 import pathlib
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 import onnxruntime as ort
+import onnxruntime.capi._pybind_state as ort_state
 import torch
 from onnx import TensorProto, helper
 
@@ -39,7 +51,7 @@ from infmoe_export.files import write_json
 from infmoe_export.runtimes import ort_kernel
 
 BLOCK = 32
-MATMUL_N, MATMUL_COPIES = 12288, 4
+MATMUL_N, MATMUL_COPIES = 12288, LAYERS  # the same reuse distance as the op's weights
 PRECISIONS = ("fp32", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 
@@ -51,10 +63,26 @@ def row_bytes(precision: str) -> int:
     return 2 * (packed_columns(D, BITS[precision]) + n_blocks(D, BLOCK) * 4) + 4
 
 
+_shared_pool_threads = None  # set by use_shared_pool
+
+
+def use_shared_pool(threads: int):
+    """From here on, sessions run on onnxruntime's global pool of `threads` threads (spinning
+    between calls, as by default). Once per process, before the first session."""
+    global _shared_pool_threads
+    ort_state.set_global_thread_pool_sizes(threads, 1)
+    _shared_pool_threads = threads
+
+
 def session(model, threads: int, kernel: bool = True):
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if _shared_pool_threads is None:
+        options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif threads == _shared_pool_threads:
+        options.use_per_session_threads = False
+    else:
+        raise SystemExit(f"bench_qop: the shared pool has {_shared_pool_threads} threads, not {threads}")
     if kernel and not ort_kernel.register(options):
         raise SystemExit("bench_qop: the kernel library is not built")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -119,6 +147,24 @@ def print_targets(results):
             print(f"  {threads} thread(s) {'fixed cost per node us':<24} {fixed[0]:5.2f}          target <  5.00  {verdict}")
 
 
+def per_thread_count(args, thread_counts):
+    """Each thread count in a child process of its own (one global pool per process), merged."""
+    merged = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for threads in thread_counts:
+            out = pathlib.Path(tmp) / f"{threads}.json"
+            subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--prefill-rounds",
+                            str(args.prefill_rounds), "--prefill-tokens", str(args.prefill_tokens), "--k", args.k,
+                            "--threads", str(threads), "--json", str(out), "--child"], check=True)
+            results = json.loads(out.read_text())
+            if merged is None:
+                merged = results
+            else:
+                for key in ("decode", "prefill", "fixed"):
+                    merged[key] += results[key]
+    return merged
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200, help="decode calls per runner")
@@ -126,8 +172,19 @@ def main():
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--k", default="1,2,8")
+    parser.add_argument("--pool", choices=("shared", "session"), default="shared")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # per_thread_count's run
     args = parser.parse_args()
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    if args.pool == "shared" and len(thread_counts) > 1:
+        results = per_thread_count(args, thread_counts)
+        print_targets(results)
+        if args.json:
+            print(f"\nwrote {write_json(args.json, results)}")
+        return
+    if args.pool == "shared":
+        use_shared_pool(thread_counts[0])
     rng = np.random.default_rng(0)
     weights = layers(rng, H, LAYERS)
     tiny = layers(rng, 16, 1)[0]["fp32"]
@@ -136,9 +193,9 @@ def main():
     matmul_x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, D)).astype(np.float32))
     models = {"fp32": op_model(R), **{p: op_model(R, bits=b, block_size=BLOCK) for p, b in BITS.items()}}
     results = {"layer": dict(d_model=D, ffn_hidden=H, slice_width=R, block_size=BLOCK, layers=LAYERS),
-               "cpu_variant_env": os.environ.get("INFMOE_CPU_VARIANT"), "decode": [], "prefill": []}
+               "cpu_variant_env": os.environ.get("INFMOE_CPU_VARIANT"), "pool": args.pool, "decode": [], "prefill": []}
 
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for threads in thread_counts:
         ops = {p: session(m, threads) for p, m in models.items()}
         tiny_op = session(op_model(1), threads)
         matmul = session(matmul_model(), threads, False)
@@ -211,7 +268,8 @@ def main():
             ms, r32 = row["ms"], row["time_vs_fp32"]
             print(f"{k:>2} | {ms['fp32']:>8.1f} {ms['int8']:>8.1f} {ms['int4']:>8.1f} | {r32['int8']:>9.2f} {r32['int4']:>9.2f}")
 
-    print_targets(results)
+    if not args.child:
+        print_targets(results)
     if args.json:
         print(f"\nwrote {write_json(args.json, results)}")
 

@@ -9,7 +9,7 @@ Per K, measured side by side in one run:
 
 - decode ms/token at past 128 (bench_decode.Decoder: each timed step a token at exactly that
   past), interleaved round by round across the precisions and the peer, one sample of onnxruntime's
-  own MatMul read bandwidth (bench_decode.MatMulBandwidth, 256 MiB) before each decode sample;
+  own MatMul read bandwidth (bench_decode.MatMulBandwidth, 256 MiB weights in turn) before each decode sample;
 - each precision's roofline: the bytes that precision must read (bench_ort.decode_bytes) over the
   median bandwidth; ratios decode / roofline, and fp32 / precision;
 - the peer: a dense GPT-2-Medium-size model (bench_ort.MEDIUM_DENSE) exported at fp32 with the

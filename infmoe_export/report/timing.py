@@ -14,6 +14,7 @@ import platform
 import random
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -135,6 +136,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache the kernel reports (Linux sysfs; 0 where it reports none)."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            largest = max(largest, int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            largest = max(largest, int(text))
+    return largest
+
+
 def environment(intra_op_threads: Optional[int] = None) -> dict:
     """Where the numbers were measured: CPU, cores, threads, library versions, kernel library."""
     import torch
@@ -146,6 +163,7 @@ def environment(intra_op_threads: Optional[int] = None) -> dict:
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "last_level_cache_bytes": last_level_cache_bytes(),
         "torch_threads": torch.get_num_threads(),
         "ort_intra_op_threads": intra_op_threads,
         "platform": platform.platform(),
