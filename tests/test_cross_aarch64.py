@@ -1,5 +1,6 @@
-"""The kernel's CPU computation through its C++ test driver (plugins/onnxruntime/tests/driver.cc),
-against fresh reference data from the PyTorch reference op: cross-compiled for aarch64 (armv8-a)
+"""The kernel's CPU computations (the float and quantized expert ops, QMatMul, DecoderAttention,
+WindowStarts and the starts check) through its C++ test driver (plugins/onnxruntime/tests/driver.cc),
+against fresh reference data from the Python references: cross-compiled for aarch64 (armv8-a)
 and run under qemu-aarch64, and built natively, where every CPU variant the machine supports runs
 (and, when qemu-x86_64 exists, the portable baseline under a CPU model without AVX)."""
 
@@ -14,6 +15,7 @@ import pytest
 PLUGIN = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "onnxruntime"
 SCRIPT = PLUGIN / "cross_test.sh"
 WRITER = PLUGIN / "tests" / "write_reference.py"
+KINDS = {"ffn", "refuse", "qffn", "qmatmul", "attn", "starts"}  # write_reference.py's kinds of case
 
 
 def headers_or_skip():
@@ -34,6 +36,7 @@ def run(target, tmp_path, tools):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = re.findall(r"driver: (\d+) of (\d+) cases passed \(variant (\w+)\)", result.stdout)
     assert summaries and all(int(passed) == int(total) == count for passed, total, _ in summaries), result.stdout
+    assert set(re.findall(r"^ok   (\w+) ", result.stdout, re.MULTILINE)) == KINDS, result.stdout
     return result.stdout, [variant for *_, variant in summaries]
 
 

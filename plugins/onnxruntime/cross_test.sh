@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the kernel and its C++ test driver (tests/driver.cc) and run the driver against reference
-# data written by the PyTorch reference (tests/write_reference.py).
+# data written by the Python references (tests/write_reference.py): every CPU computation of the
+# kernel (the float and quantized expert ops, QMatMul, DecoderAttention, WindowStarts, CheckStarts).
 #   cross_test.sh aarch64 [CASES.bin]   cross-compile (library + driver) with aarch64-linux-gnu-g++
 #                                       for armv8-a, run the driver under qemu-aarch64
 #   cross_test.sh native [CASES.bin]    build for this machine; run the driver once per CPU variant
