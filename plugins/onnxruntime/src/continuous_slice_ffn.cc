@@ -89,7 +89,7 @@ constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode
 // K = 1: two).
 constexpr int64_t kChunkBytes = 512 << 10;
 constexpr int64_t kMaxChunkRows = 1024;
-constexpr int64_t kFloatPrefetchBytes = 4096;  // decode, float rows where FloatPrefetch(): prefetch distance
+constexpr int64_t kFloatPrefetchBytes = 3072;  // decode, float rows where FloatPrefetch(): prefetch distance
 constexpr int64_t kPrefetchRows = 2;       // decode, quantized rows on AVX-512: prefetch distance
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
@@ -163,10 +163,12 @@ inline Lanes<W> LoadLanes(const T* row, int64_t u, int64_t n) {
 // 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
 
 // Software prefetch of float rows at decode, on Intel's cores only. Measured on a Xeon (AVX-512,
-// 2026-12-03, bench_qop's layer, K 1/2/8, 1 and 2 threads, old and new library interleaved): the
-// fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x,
-// 8 KB as 4 KB), the fp16 op 0.77-0.81x; on Zen 4 prefetching 1-4 KB ahead made the same loops
-// 1.02-1.2x slower.
+// 2026-12-03, bench_qop's layer, K 1/2/8, 1 and 2 threads, old and new library interleaved), one
+// run of rows a pass: the fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead
+// 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as 4 KB), the fp16 op 0.77-0.81x; with two runs a pass
+// (kDecodeRows), 3 KB ahead: 0.88-0.94x the time of 4 KB with one run (fp32 and fp16; 2 KB
+// 0.90-0.94x, 4 KB 0.96-0.98x, 8 KB 1.0x, prefetcht0 as t1, prefetchnta 3x slower). On Zen 4
+// prefetching 1-4 KB ahead made the one-run loops 1.02-1.2x slower.
 bool FloatPrefetch() {
 #if defined(__x86_64__)
   static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
@@ -180,6 +182,9 @@ bool FloatPrefetch() {
 template <typename T>
 struct FloatRows {
   static constexpr int kWidth = kNarrow;
+  // Decode: two runs of a chunk's rows a pass, two streams (without the prefetch 0.90-0.93x the
+  // time of one on the Xeon, fp32 and fp16; 4 runs no better).
+  static constexpr int kDecodeRows = 2;
   using Row = const T*;
   const T* w;
   int64_t d;
@@ -207,6 +212,7 @@ struct FloatRows {
 template <int Bits, typename T>
 struct QuantRows {
   static constexpr int kWidth = kWide;
+  static constexpr int kDecodeRows = 1;  // the arithmetic bounds them: one row a pass
   struct Row {
     const uint8_t* q;
     const T* scale;
@@ -374,8 +380,8 @@ inline void Axpy(const Format& w, int64_t i, float h, int64_t full, int64_t tail
 
 // The decode loops take Rows rows a pass, rows i + r stride for r = 0 .. Rows - 1 (Rows streams,
 // each front to back through its own run of rows): dots[r stride] = row . x, and
-// out += h[r stride] * row for each in that order. The formats read through the natural layout
-// take one row a pass.
+// out += h[r stride] * row for each in that order. Through the natural layout: kDecodeRows of
+// the format (float rows two, quantized one).
 template <int Rows, class Format>
 inline void DotRows(const Format& w, int64_t i, int64_t stride, const Lanes<Format::kWidth>* x, int64_t full,
                     int64_t tail, float* dots) {
@@ -397,7 +403,7 @@ const Format& DecodeRows(const Format& w) {
 }
 template <class Format>
 struct DecodeLayout {
-  static constexpr int kRows = 1;  // rows a pass
+  static constexpr int kRows = Format::kDecodeRows;  // rows a pass
   static int64_t Slots(int64_t d) { return (d + Format::kWidth - 1) / Format::kWidth; }
   static int64_t Column(int64_t s, int l) { return s * Format::kWidth + l; }
   static float XScale(int64_t) { return 1.0f; }
