@@ -50,6 +50,10 @@ def test_aarch64_under_qemu(tmp_path):
 def test_native_every_variant(tmp_path):
     out, variants = run("native", tmp_path, ["c++", "cmake"])
     assert "baseline" in variants
+    # Float decode's two streamings (Intel's and the others'), each forced, whatever this CPU is.
+    forced = re.findall(r"driver: (\d+) of (\d+) cases passed \(variant \w+, INFMOE_INTEL_STREAMS=(\d)\)", out)
+    assert sorted(streams for *_, streams in forced) == ["0", "1"], out
+    assert all(passed == total for passed, total, _ in forced), out
     assert len(variants) == len(set(variants)) + ("qemu64" in out)  # one run per supported variant (+ qemu64)
     if "qemu64" in out:
         assert variants[-1] == "baseline"

@@ -5,7 +5,8 @@
 #   cross_test.sh aarch64 [CASES.bin]   cross-compile (library + driver) with aarch64-linux-gnu-g++
 #                                       for armv8-a, run the driver under qemu-aarch64
 #   cross_test.sh native [CASES.bin]    build for this machine; run the driver once per CPU variant
-#                                       it supports, and (x86-64, when qemu-x86_64 exists) under
+#                                       it supports, twice more with the float decode's streaming
+#                                       forced each way (INFMOE_INTEL_STREAMS=0 and 1), and (x86-64, when qemu-x86_64 exists) under
 #                                       qemu-x86_64 -cpu qemu64, a CPU without any AVX, where the
 #                                       dispatch must choose the baseline and nothing may trap
 # Without CASES.bin, fresh random cases are written with $PYTHON (default: the repository's
@@ -58,6 +59,12 @@ else
     case " $ran " in *" $got "*) continue ;; esac  # the CPU lacks $variant: already run as $got
     ran="$ran $got"
     echo "$out"
+  done
+  # Float decode streams rows one way on Intel's cores and another elsewhere (IntelStreams in the
+  # library): both ways here, whatever this CPU is, with its widest variant.
+  for streams in 0 1; do
+    out=$(INFMOE_INTEL_STREAMS=$streams "$build/infmoe_ffn_test" "$data") || status=1
+    echo "$out" | tail -1
   done
   if [ "$(uname -m)" = x86_64 ] && command -v qemu-x86_64 >/dev/null; then
     echo "cross_test: under qemu-x86_64 -cpu qemu64 (SSE2 only, no AVX): the dispatch must pick the baseline"

@@ -31,6 +31,7 @@
 #endif
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -89,7 +90,7 @@ constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode
 // K = 1: two).
 constexpr int64_t kChunkBytes = 512 << 10;
 constexpr int64_t kMaxChunkRows = 1024;
-constexpr int64_t kFloatPrefetchBytes = 3072;  // decode, float rows where FloatPrefetch(): prefetch distance
+constexpr int64_t kFloatPrefetchBytes = 3072;  // decode, float rows on Intel (IntelStreams): prefetch distance
 constexpr int64_t kPrefetchRows = 2;       // decode, quantized rows on AVX-512: prefetch distance
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
@@ -162,45 +163,50 @@ inline Lanes<W> LoadLanes(const T* row, int64_t u, int64_t n) {
 // before scaling (zero beyond n) and Scale(row, b) the scale of the row's b-th block of
 // 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
 
-// Software prefetch of float rows at decode, on Intel's cores only. Measured on a Xeon (AVX-512,
-// 2026-12-03, bench_qop's layer, K 1/2/8, 1 and 2 threads, old and new library interleaved), one
-// run of rows a pass: the fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead
-// 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as 4 KB), the fp16 op 0.77-0.81x; with two runs a pass
-// (kDecodeRows), 3 KB ahead: 0.88-0.94x the time of 4 KB with one run (fp32 and fp16; 2 KB
-// 0.90-0.94x, 4 KB 0.96-0.98x, 8 KB 1.0x, prefetcht0 as t1, prefetchnta 3x slower). On Zen 4
-// prefetching 1-4 KB ahead made the one-run loops 1.02-1.2x slower.
-bool FloatPrefetch() {
+// How float rows stream at decode on Intel's cores: two runs of a chunk's rows a pass (two
+// streams) and a software prefetch. Measured on a Xeon (AVX-512, 2026-12-03/04, bench_qop's
+// layer, K 1/2/8, 1 and 2 threads, libraries interleaved call by call): with one run, the fp32 op
+// 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as
+// 4 KB), the fp16 op 0.77-0.81x; two runs without the prefetch 0.90-0.93x the time of one (four
+// no better); two runs with the prefetch 3 KB ahead 0.88-0.94x the time of one run 4 KB ahead
+// (fp32 and fp16; 2 KB 0.90-0.94x, 4 KB 0.96-0.98x, 8 KB 1.0x, prefetcht0 as t1, prefetchnta 3x
+// slower). On Zen 4 prefetching 1-4 KB ahead made the one-run loops 1.02-1.2x slower and four runs
+// 1.14-1.22x; two runs were not measured there, so other CPUs keep one run and no prefetch.
+// Chosen once per process; INFMOE_INTEL_STREAMS=1 or 0 forces either way (tests: both paths on
+// any CPU; the prefetch itself exists on x86-64 only).
+bool IntelStreams() {
+  static const bool on = [] {
+    if (const char* forced = std::getenv("INFMOE_INTEL_STREAMS")) return std::strcmp(forced, "1") == 0;
 #if defined(__x86_64__)
-  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
-  return intel;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") > 0;
 #else
-  return false;
+    return false;
 #endif
+  }();
+  return on;
 }
 
 // A float [h, d] matrix (T = float, or half as uint16_t bits): one block, scale 1 (folded away).
-template <typename T>
+// kIntel: decode streams it as IntelStreams() says (Run picks once per call).
+template <typename T, bool kIntel = false>
 struct FloatRows {
   static constexpr int kWidth = kNarrow;
-  // Decode: two runs of a chunk's rows a pass, two streams (without the prefetch 0.90-0.93x the
-  // time of one on the Xeon, fp32 and fp16; 4 runs no better).
-  static constexpr int kDecodeRows = 2;
+  static constexpr int kDecodeRows = kIntel ? 2 : 1;
   using Row = const T*;
   const T* w;
   int64_t d;
   int block_shift = 62;
-  bool prefetch = FloatPrefetch();  // decode only: the prefill's loops never call Prefetch
   Row At(int64_t i) const { return w + i * d; }
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const { return LoadLanes<kWidth>(row, u, n); }
   float Scale(Row, int64_t) const { return 1.0f; }
   int64_t RowBytes() const { return d * static_cast<int64_t>(sizeof(T)); }
-  // When prefetching and unit u of a row starts a cache line: the line kFloatPrefetchBytes ahead
-  // (into the next rows of the run; a prefetch past the matrix never faults). asm, because GCC
-  // drops a __builtin_prefetch under a run-time condition; the address as an integer, never a
-  // pointer past the matrix.
+  // On Intel, when unit u of a row starts a cache line: the line kFloatPrefetchBytes ahead (into
+  // the next rows of the run; a prefetch past the matrix never faults). The prefill's loops never
+  // call it. asm, with the address as an integer, never a pointer past the matrix.
   void Prefetch(Row row, int64_t u) const {
 #if defined(__x86_64__)
-    if (prefetch && u * kWidth * sizeof(T) % 64 == 0)
+    if (kIntel && u * kWidth * sizeof(T) % 64 == 0)
       asm volatile("prefetcht1 (%0)" : : "r"(reinterpret_cast<uintptr_t>(row + u * kWidth) + kFloatPrefetchBytes));
 #endif
   }
@@ -324,8 +330,8 @@ std::vector<Range> Merged(std::vector<Range> windows, int64_t gap) {
 // Row i . x. One row at a time, front to back: reading four rows side by side (four streams
 // 3 KB apart) streamed 2-10x slower from memory here. Four accumulator chains, unit u into chain
 // u mod 4, hide the FMA latency (float rows: one block, scale 1).
-template <typename T>
-inline float Dot(const FloatRows<T>& w, int64_t i, const Lanes<kNarrow>* x, int64_t full, int64_t tail) {
+template <typename T, bool kIntel>
+inline float Dot(const FloatRows<T, kIntel>& w, int64_t i, const Lanes<kNarrow>* x, int64_t full, int64_t tail) {
   constexpr int W = kNarrow;
   const T* row = w.At(i);
   auto term = [&](int64_t u, int64_t n) { return w.Values(row, u, n) * x[u]; };
@@ -1197,10 +1203,15 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
 
 }  // namespace
 
+// Float rows; at decode on Intel's cores streamed as IntelStreams() says.
 template <typename T>
 void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
          const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  Compute(s, x, starts, FloatRows<T>{w_in, s.d}, b_in, FloatRows<T>{w_out, s.d}, b_out, y, parallel_for);
+  if (IntelStreams() && s.tokens > 0 && s.tokens <= kDecodeMaxTokens) {
+    Decode(s, x, starts, FloatRows<T, true>{w_in, s.d}, b_in, FloatRows<T, true>{w_out, s.d}, b_out, y, parallel_for);
+  } else {
+    Compute(s, x, starts, FloatRows<T>{w_in, s.d}, b_in, FloatRows<T>{w_out, s.d}, b_out, y, parallel_for);
+  }
 }
 
 template <typename T>

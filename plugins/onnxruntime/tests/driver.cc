@@ -406,6 +406,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "driver: %s\n", error.what());
     return 2;
   }
-  std::printf("driver: %d of %d cases passed (variant %s)\n", count - failures, count, infmoe::CpuVariant());
+  // A forced float streaming (the library's INFMOE_INTEL_STREAMS) is named after the variant.
+  const char* streams = std::getenv("INFMOE_INTEL_STREAMS");
+  std::printf("driver: %d of %d cases passed (variant %s%s%s)\n", count - failures, count, infmoe::CpuVariant(),
+              streams ? ", INFMOE_INTEL_STREAMS=" : "", streams ? streams : "");
   return failures == 0 ? 0 : 1;
 }
