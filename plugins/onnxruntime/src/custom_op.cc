@@ -172,6 +172,7 @@ struct Inputs {
   std::vector<std::vector<int64_t>> shapes;
 
   Inputs(const Ort::KernelContext& context, size_t count) {
+    values.reserve(count), types.reserve(count), shapes.reserve(count);  // per call: no regrowth
     for (size_t i = 0; i < count; ++i) {
       values.push_back(context.GetInput(i));
       if (static_cast<const OrtValue*>(values.back()) == nullptr) {
