@@ -17,10 +17,10 @@ Per K and thread count:
   of the windows, the KV cache) over the read bandwidth of onnxruntime's own MatMul (batch 1) on
   256 MiB weights taken in turn, enough of them to read twice the last-level cache between two
   reads of one (a single weight, read again and again, came partly from a 480 MiB L3: MatMul
-  over 151 MB read 33.7 GB/s, over 604 MB or 1.8 GB 28.1, 2 threads), measured with the same threads, interleaved
-  with the decode samples (one bandwidth sample before each decode sample). Two ratios: median
-  decode over the roofline at the median bandwidth, and the best decode sample over the
-  roofline at the best bandwidth sample (on a busy machine both sides' best are the closest to
+  over 151 MB read 33.7 GB/s, over 604 MB or 1.8 GB 28.1, 2 threads), measured with the same
+  threads, interleaved with the decode samples (one bandwidth sample before each decode
+  sample). Two ratios: median decode over the roofline at the median bandwidth, and the best
+  decode sample over the roofline at the best bandwidth sample (on a busy machine both sides' best are the closest to
   an idle one's);
 - the fixed cost of a step: the same graph (12 layers, 12 heads) with tiny weights, at past 128
   (issue 16's figure) and at past 1 (the same without attention over a cache);

@@ -138,13 +138,12 @@ def cpu_model() -> str:
 
 def last_level_cache_bytes() -> int:
     """The largest CPU cache the kernel reports (Linux sysfs; 0 where it reports none)."""
-    largest = 0
+    largest, units = 0, {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
             text = size.read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         if text[:-1].isdigit() and text[-1] in units:
             largest = max(largest, int(text[:-1]) * units[text[-1]])
         elif text.isdigit():

@@ -6,7 +6,8 @@
 #                                       for armv8-a, run the driver under qemu-aarch64
 #   cross_test.sh native [CASES.bin]    build for this machine; run the driver once per CPU variant
 #                                       it supports, twice more with the float decode's streaming
-#                                       forced each way (INFMOE_INTEL_STREAMS=0 and 1), and (x86-64, when qemu-x86_64 exists) under
+#                                       forced each way (INFMOE_INTEL_STREAMS=0 and 1), and
+#                                       (x86-64, when qemu-x86_64 exists) under
 #                                       qemu-x86_64 -cpu qemu64, a CPU without any AVX, where the
 #                                       dispatch must choose the baseline and nothing may trap
 # Without CASES.bin, fresh random cases are written with $PYTHON (default: the repository's

@@ -251,6 +251,15 @@ const char* ActivationName() { return sizeof(T) == 4 ? "fp32" : "fp16"; }
 template <typename T>
 double Tolerance() { return sizeof(T) == 4 ? 1e-5 : 2e-3; }
 
+// y of a quantized op against the case's array `ref`, within T's tolerance and the same with 1
+// and 3 threads.
+template <typename T>
+Result Judged(const std::vector<T>& y, const Case& c, size_t ref, bool identical, const std::string& shape) {
+  const double err = RelativeError(Doubles(y.data(), y.size()), Doubles(c, ref, static_cast<int64_t>(y.size())));
+  return {err <= Tolerance<T>() && identical, shape, Format("err %.1e (tolerance %.0e), ", err, Tolerance<T>()) +
+                                                         ThreadsText(identical)};
+}
+
 // starts x w_in_q w_in_scale b_in w_out_q w_out_scale b_out | y; T: x's type
 template <typename T>
 Result CheckQffn(const Case& c) {
@@ -272,9 +281,7 @@ Result CheckQffn(const Case& c) {
     infmoe::QContinuousSliceFFN<T>(s, q, x, starts, w_in, b_in, w_out, b_out, out.data(), parallel_for);
     return out;
   }, &identical);
-  const double err = RelativeError(Doubles(y.data(), y.size()), Doubles(c, 8, s.tokens * s.d));
-  return {err <= Tolerance<T>() && identical, shape, Format("err %.1e (tolerance %.0e), ", err, Tolerance<T>()) +
-                                                         ThreadsText(identical)};
+  return Judged(y, c, 8, identical, shape);
 }
 
 // a b scales | y; T: a's type
@@ -294,9 +301,7 @@ Result CheckQMatMul(const Case& c) {
     infmoe::QMatMul<T>(s, q, a, w, out.data(), parallel_for);
     return out;
   }, &identical);
-  const double err = RelativeError(Doubles(y.data(), y.size()), Doubles(c, 3, s.tokens * s.n));
-  return {err <= Tolerance<T>() && identical, shape, Format("err %.1e (tolerance %.0e), ", err, Tolerance<T>()) +
-                                                         ThreadsText(identical)};
+  return Judged(y, c, 3, identical, shape);
 }
 
 // qkv past_key past_value seqlens_k bias | y present_key present_value
