@@ -56,11 +56,15 @@ def assert_matches(outputs, expected, tolerance=1e-5):
 
 
 # (batch, sequence, past, heads, head_dim, shorter): head_dim odd, below one register and not a
-# multiple of one; up to 3 new tokens decode, more prefill (blocks of 64 queries: 70 and 150
-# cross them); no past, a long one, rows of different cache lengths (shorter: odd rows' past).
+# multiple of one, or dividing one (1, 2, 4, 8: keys packed side by side at decode, with tails);
+# up to 3 new tokens decode, more prefill (blocks of 64 queries: 70 and 150 cross them); no past,
+# a long one, rows of different cache lengths (shorter: odd rows' past).
 CASES = [
     (1, 1, 0, 3, 8, 0),
     (1, 1, 130, 12, 8, 0),
+    (2, 2, 61, 3, 4, 9),
+    (2, 1, 40, 2, 2, 5),
+    (1, 3, 47, 2, 1, 0),
     (2, 1, 200, 5, 13, 7),
     (2, 3, 5, 2, 24, 2),
     (1, 2, 9, 1, 1, 0),
@@ -129,9 +133,9 @@ def test_attention_function_matches_the_reference(batch, sequence, past):
     assert_matches(fallback.run(None, feeds), reference(feeds, 3))
 
 
-@pytest.mark.parametrize("sequence, past", [(1, 700), (3, 50), (300, 20)])
-def test_attention_bitwise_identical_across_threads(library, sequence, past):
-    feeds = make_feeds(np.random.default_rng([SEED, 15, sequence]), 2, sequence, past, 6, 32, shorter=9)
+@pytest.mark.parametrize("sequence, past, dim", [(1, 700, 32), (1, 700, 8), (3, 50, 32), (300, 20, 32)])
+def test_attention_bitwise_identical_across_threads(library, sequence, past, dim):
+    feeds = make_feeds(np.random.default_rng([SEED, 15, sequence]), 2, sequence, past, 6, dim, shorter=9)
     outputs = [session(model(6), threads).run(None, feeds) for threads in (1, 2, 4, 1)]
     for other in outputs[1:]:
         for a, b in zip(outputs[0], other):

@@ -235,13 +235,15 @@ def test_a_non_string_activation_is_refused_not_read_as_the_default(value):
 @pytest.mark.parametrize("name, value", [("INFMOE_CPU_VARIANT", "avx2"), ("INFMOE_CPU_VARIANT", "baseline"),
                                          ("INFMOE_INTEL_STREAMS", "0"), ("INFMOE_INTEL_STREAMS", "1")])
 def test_other_variants_and_streamings(library, name, value):
-    """The reference and determinism tests again with the x86-64-v3 and portable variants, and
-    with float decode's streaming forced each way (one run, or Intel's two prefetched runs),
-    whatever this CPU is (each chosen once per process)."""
+    """The expert op's and the attention's reference and determinism tests again with the
+    x86-64-v3 and portable variants, and with float decode's streaming forced each way (one run,
+    or Intel's two prefetched runs), whatever this CPU is (each chosen once per process)."""
     if os.environ.get("INFMOE_CPU_VARIANT") or os.environ.get("INFMOE_INTEL_STREAMS"):
         pytest.skip("already running one variant or streaming")
     env = dict(os.environ, **{name: value})
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "matches_reference or deterministic"], env=env, capture_output=True, text=True)
+    attention = str(pathlib.Path(__file__).with_name("test_ort_attention.py"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, attention,
+                           "-k", "matches_reference or deterministic or matches_the_reference or identical"],
+                          env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"{name}={value}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
 

@@ -1129,6 +1129,70 @@ void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, 
   }
 }
 
+// Heads narrower than a register (head_dim 8 on AVX-512): W / M keys side by side in each register
+// (a head's cache holds its keys back to back, ld = M), so no lane idles and one fold tree sums
+// twice the keys (a step of a small model over 128 positions: 0.XXx the time of the paths above).
+// M = head_dim divides W; keys past the last full pass one at a time.
+template <int M>
+void PackedScores(const float* q, const float* keys, int64_t n, float* scores) {
+  constexpr int W = kWide, kKeys = W / M;
+  Lanes<W> qs;
+  for (int l = 0; l < W; ++l) qs[l] = q[l % M];
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {  // W keys in M registers
+    Lanes<W> acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = qs * ToLanes<W>(keys + (j + r * kKeys) * M);
+    const Lanes<W> sums = KeySums<W, M>(acc);
+    std::memcpy(scores + j, &sums, sizeof sums);
+  }
+  for (; j < n; ++j) {
+    float sum = 0.0f;
+    for (int c = 0; c < M; ++c) sum += q[c] * keys[j * M + c];
+    scores[j] = sum;
+  }
+}
+
+// Register R of a pass: its kKeys keys' weights, each repeated over that key's M lanes.
+template <int W, int M, int R, size_t... I>
+inline Lanes<W> Spread(Lanes<W> p, std::index_sequence<I...>) {
+  return __builtin_shufflevector(p, p, (R * (W / M) + I / M)...);
+}
+
+template <int W, int M, int C, size_t... R>
+inline void WeighPass(Lanes<W> p, const float* values, Lanes<W>* acc, std::index_sequence<R...>) {
+  ((acc[R % C] += Spread<W, M, R>(p, std::make_index_sequence<W>{}) * ToLanes<W>(values + R * W)), ...);
+}
+
+// out[c] = sum over j < n of p[j] value j[c], as PackedScores reads the values: W keys a pass (the
+// weights of M registers from one load), into C chains; the chains and then the kKeys keys of a
+// register added at the end.
+template <int M>
+void PackedWeightedValues(const float* p, const float* values, int64_t n, float* out) {
+  constexpr int W = kWide, kKeys = W / M, C = 4;
+  Lanes<W> acc[C] = {};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) WeighPass<W, M, C>(ToLanes<W>(p + j), values + j * M, acc, std::make_index_sequence<M>{});
+  const Lanes<W> sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  float result[M] = {};
+  for (int k = 0; k < kKeys; ++k)
+    for (int c = 0; c < M; ++c) result[c] += sum[k * M + c];
+  for (; j < n; ++j)
+    for (int c = 0; c < M; ++c) result[c] += p[j] * values[j * M + c];
+  std::memcpy(out, result, sizeof result);
+}
+
+// f(std::integral_constant<int, dim>) where dim < kWide divides kWide (a PackedScores head);
+// false otherwise.
+template <int M = kWide / 2, class F>
+bool WithPackedHead(int64_t dim, F&& f) {
+  if constexpr (M < 1) {
+    return false;
+  } else {
+    if (dim == M) return f(std::integral_constant<int, M>{}), true;
+    return WithPackedHead<M / 2>(dim, f);
+  }
+}
+
 void Attention(const AttentionSizes& s, const float* qkv, const float* past_key, const float* past_value,
                const int32_t* seqlens_k, const float* bias, float* y, float* present_key, float* present_value,
                const ParallelFor& parallel_for) {
@@ -1168,14 +1232,22 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
     Softmax(row, seen(b, i));
   };
   if (s.sequence <= kDecodeMaxTokens) {
+    // One weights row per item, rows aligned for Softmax: one allocation per call.
+    const int64_t ld = (s.total + 15) / 16 * 16;
+    Eigen::ArrayXf rows(heads * ld);
     loop(static_cast<size_t>(heads), [&](size_t item) {
       const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
-      Eigen::ArrayXf row(s.total);
+      float* row = rows.data() + static_cast<int64_t>(item) * ld;
       for (int64_t i = 0; i < s.sequence; ++i) {
-        Scores(token(b, i) + h * dim, cache(present_key, b, h), dim, seen(b, i), dim, row.data());
-        weigh(b, i, row.data());
-        WeightedValues(row.data(), cache(present_value, b, h), dim, seen(b, i), dim,
-                       y + (b * s.sequence + i) * s.heads * dim + h * dim);
+        const float *q = token(b, i) + h * dim, *keys = cache(present_key, b, h), *values = cache(present_value, b, h);
+        float* out = y + (b * s.sequence + i) * s.heads * dim + h * dim;
+        const int64_t n = seen(b, i);
+        const bool packed = WithPackedHead(dim, [&](auto m) { PackedScores<m>(q, keys, n, row); });
+        if (!packed) Scores(q, keys, dim, n, dim, row);
+        weigh(b, i, row);
+        if (!WithPackedHead(dim, [&](auto m) { PackedWeightedValues<m>(row, values, n, out); })) {
+          WeightedValues(row, values, dim, n, dim, out);
+        }
       }
     });
     return;

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "continuous_slice_ffn.h"
@@ -50,9 +51,23 @@ infmoe::Sizes CheckTokens(const std::vector<int64_t>& x, const std::vector<int64
   return {tokens, x.back(), 0, k, 0};
 }
 
-void RequireShape(const char* name, const std::vector<int64_t>& shape, const std::vector<int64_t>& expected,
-                  const std::string& meaning) {
-  if (shape != expected) Fail(std::string(name) + " " + ShapeString(shape) + " must be " + meaning + " = " + ShapeString(expected));
+// Fails unless `shape` is `expected`, saying what it must be: `meaning` ("[H]"), or a function
+// that writes it where it needs numbers, called only then (the checks run on every call).
+template <class Meaning>
+void RequireShape(const char* name, const std::vector<int64_t>& shape, std::initializer_list<int64_t> expected,
+                  const Meaning& meaning) {
+  if (std::equal(shape.begin(), shape.end(), expected.begin(), expected.end())) return;
+  std::string text;
+  if constexpr (std::is_invocable_v<const Meaning&>) text = meaning(); else text = meaning;
+  Fail(std::string(name) + " " + ShapeString(shape) + " must be " + text + " = " + ShapeString(expected));
+}
+
+// `shape` with its last dimension `last` (an output's shape), in a buffer the calling thread keeps.
+const std::vector<int64_t>& WithLast(const std::vector<int64_t>& shape, int64_t last) {
+  thread_local std::vector<int64_t> out;
+  out.assign(shape.begin(), shape.end());
+  out.back() = last;
+  return out;
 }
 
 // The checks that follow H: b_in, b_out and slice_width.
@@ -69,7 +84,7 @@ infmoe::Sizes CheckShapes(const std::vector<std::vector<int64_t>>& shapes, int64
   const auto& w_in = shapes[2];
   if (w_in.size() != 2 || w_in[1] != s.d) Fail("w_in " + ShapeString(w_in) + " must be [H, D] with D = " + std::to_string(s.d));
   s.h = w_in[0];
-  RequireShape("w_out", shapes[4], w_in, "[H, D]");
+  RequireShape("w_out", shapes[4], {s.h, s.d}, "[H, D]");
   CheckBiases(shapes[3], shapes[5], s, r);
   return s;
 }
@@ -164,6 +179,35 @@ OrtStatusPtr Guard(const char* op, Body&& body) {
   }
 }
 
+// Element type and shape of a tensor, into `type` and `shape` (its capacity reused).
+void Describe(const Ort::ConstValue& value, ONNXTensorElementDataType& type, std::vector<int64_t>& shape) {
+  const auto info = value.GetTensorTypeAndShapeInfo();
+  type = info.GetElementType();
+  shape.resize(info.GetDimensionsCount());
+  info.GetDimensions(shape.data(), shape.size());
+}
+
+// A kernel's constant initializer inputs (its weights), described once when the kernel is made:
+// their types and shapes cannot change, and describing a tensor costs an allocation inside
+// onnxruntime (0.08 us an input here, four of the expert op's six).
+struct ConstantInputs {
+  std::vector<bool> constant;
+  std::vector<ONNXTensorElementDataType> types;
+  std::vector<std::vector<int64_t>> shapes;
+
+  ConstantInputs(const OrtKernelInfo* info, size_t count) : constant(count), types(count), shapes(count) {
+    for (size_t i = 0; i < count; ++i) {
+      int is_constant = 0;
+      const OrtValue* value = nullptr;
+      // An input the node does not have is not constant (onnxruntime answers false, or an error).
+      Ort::Status status(Ort::GetApi().KernelInfoGetConstantInput_tensor(info, i, &is_constant, &value));
+      if (!status.IsOK() || !is_constant || value == nullptr) continue;
+      constant[i] = true;
+      Describe(Ort::ConstValue(value), types[i], shapes[i]);
+    }
+  }
+};
+
 // An op's inputs, their element types and shapes (an absent optional input: type undefined, no
 // shape, Data null).
 struct Inputs {
@@ -171,19 +215,23 @@ struct Inputs {
   std::vector<ONNXTensorElementDataType> types;
   std::vector<std::vector<int64_t>> shapes;
 
-  Inputs(const Ort::KernelContext& context, size_t count) {
-    values.reserve(count), types.reserve(count), shapes.reserve(count);  // per call: no regrowth
+  // This call's inputs, in buffers the calling thread keeps: once grown, a call allocates nothing
+  // here. Valid until the thread's next Read (a kernel's checks and computation, nothing nests).
+  static const Inputs& Read(const Ort::KernelContext& context, const ConstantInputs& constants) {
+    thread_local Inputs in;
+    const size_t count = constants.constant.size();
+    in.values.clear(), in.types.resize(count), in.shapes.resize(count);
     for (size_t i = 0; i < count; ++i) {
-      values.push_back(context.GetInput(i));
-      if (static_cast<const OrtValue*>(values.back()) == nullptr) {
-        types.push_back(ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED);
-        shapes.emplace_back();
-        continue;
+      in.values.push_back(context.GetInput(i));
+      if (constants.constant[i]) {
+        in.types[i] = constants.types[i], in.shapes[i] = constants.shapes[i];
+      } else if (in.Present(i)) {
+        Describe(in.values[i], in.types[i], in.shapes[i]);
+      } else {
+        in.types[i] = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, in.shapes[i].clear();
       }
-      const auto info = values.back().GetTensorTypeAndShapeInfo();
-      types.push_back(info.GetElementType());
-      shapes.push_back(info.GetShape());
     }
+    return in;
   }
   bool Present(size_t i) const { return static_cast<const OrtValue*>(values[i]) != nullptr; }
   template <typename T>
@@ -218,12 +266,13 @@ struct CpuKernel : OneOutput {
   }
 
   Attributes attributes;
-  explicit CpuKernel(const OrtKernelInfo* info) : attributes(info) {}
+  ConstantInputs constants;
+  explicit CpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {}
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context, kInputs);
+      const Inputs& inputs = Inputs::Read(context, constants);
       const infmoe::Sizes sizes = CheckShapes(inputs.shapes, attributes.slice_width);
       const int64_t* starts = inputs.Data<int64_t>(1);
       RequireValidStarts(starts, sizes);
@@ -271,14 +320,15 @@ infmoe::Sizes CheckQuantized(const Inputs& in, const QuantizedAttributes& attrib
   const int64_t columns = q.bits == 8 ? s.d : (s.d + 1) / 2;
   const int64_t blocks = s.d / q.block_size + (s.d % q.block_size != 0);
   const auto& w_in = in.shapes[2];
-  const std::string layout = " for D = " + std::to_string(s.d) + ", bits = " + std::to_string(q.bits);
-  if (w_in.size() != 2 || w_in[1] != columns) {
-    Fail("w_in_q " + ShapeString(w_in) + " must be [H, " + std::to_string(columns) + "]" + layout);
-  }
+  const auto rows = [&] {
+    return "[H, " + std::to_string(columns) + "] for D = " + std::to_string(s.d) + ", bits = " + std::to_string(q.bits);
+  };
+  if (w_in.size() != 2 || w_in[1] != columns) Fail("w_in_q " + ShapeString(w_in) + " must be " + rows());
   s.h = w_in[0];
-  const std::string scales =
-      "[H, ceil(D / block_size)] for D = " + std::to_string(s.d) + ", block_size = " + std::to_string(q.block_size);
-  RequireShape("w_out_q", in.shapes[5], w_in, "[H, " + std::to_string(columns) + "]" + layout);
+  const auto scales = [&] {
+    return "[H, ceil(D / block_size)] for D = " + std::to_string(s.d) + ", block_size = " + std::to_string(q.block_size);
+  };
+  RequireShape("w_out_q", in.shapes[5], {s.h, columns}, rows);
   RequireShape("w_in_scale", in.shapes[3], {s.h, blocks}, scales);
   RequireShape("w_out_scale", in.shapes[6], {s.h, blocks}, scales);
   CheckBiases(in.shapes[4], in.shapes[7], s, attributes.slice_width);
@@ -294,12 +344,13 @@ struct QuantizedCpuKernel : OneOutput {
   }
 
   QuantizedAttributes attributes;
-  explicit QuantizedCpuKernel(const OrtKernelInfo* info) : attributes(info) {}
+  ConstantInputs constants;
+  explicit QuantizedCpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {}
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context, kInputs);
+      const Inputs& inputs = Inputs::Read(context, constants);
       const infmoe::Sizes sizes = CheckQuantized(inputs, attributes);
       const int64_t* starts = inputs.Data<int64_t>(1);
       RequireValidStarts(starts, sizes);
@@ -325,11 +376,13 @@ infmoe::MatMulSizes CheckMatMul(const Inputs& in, const MatMulAttributes& attrib
   if (a.empty() || a.back() != k) Fail("A " + ShapeString(a) + " must be [..., K] with K = " + std::to_string(k));
   const auto& q = attributes.quantization;
   const int64_t blocks = k / q.block_size + (k % q.block_size != 0);
-  const std::string for_attributes = " for K = " + std::to_string(k) + ", N = " + std::to_string(n) +
-                                     ", bits = " + std::to_string(q.bits) + ", block_size = " + std::to_string(q.block_size);
+  const auto for_attributes = [&] {
+    return " for K = " + std::to_string(k) + ", N = " + std::to_string(n) + ", bits = " + std::to_string(q.bits) +
+           ", block_size = " + std::to_string(q.block_size);
+  };
   RequireShape("B", in.shapes[1], {n, blocks, q.block_size * q.bits / 8},
-               "[N, ceil(K / block_size), block_size * bits / 8]" + for_attributes);
-  RequireShape("scales", in.shapes[2], {n, blocks}, "[N, ceil(K / block_size)]" + for_attributes);
+               [&] { return "[N, ceil(K / block_size), block_size * bits / 8]" + for_attributes(); });
+  RequireShape("scales", in.shapes[2], {n, blocks}, [&] { return "[N, ceil(K / block_size)]" + for_attributes(); });
   int64_t tokens = 1;
   for (size_t i = 0; i + 1 < a.size(); ++i) tokens *= a[i];
   return {tokens, k, n};
@@ -344,16 +397,15 @@ struct QMatMulCpuKernel : OneOutput {
   }
 
   MatMulAttributes attributes;
-  explicit QMatMulCpuKernel(const OrtKernelInfo* info) : attributes(info) {}
+  ConstantInputs constants;
+  explicit QMatMulCpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {}
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context, kInputs);
+      const Inputs& inputs = Inputs::Read(context, constants);
       const infmoe::MatMulSizes sizes = CheckMatMul(inputs, attributes);
-      std::vector<int64_t> shape = inputs.shapes[0];
-      shape.back() = sizes.n;
-      Ort::UnownedValue output = context.GetOutput(0, shape);
+      Ort::UnownedValue output = context.GetOutput(0, WithLast(inputs.shapes[0], sizes.n));
       infmoe::QMatMul<T>(sizes, attributes.quantization, inputs.Data<T>(0), {inputs.Data<uint8_t>(1), inputs.Data<T>(2)},
                          reinterpret_cast<T*>(output.GetTensorMutableRawData()), ParallelForOf(context));
     });
@@ -388,13 +440,12 @@ infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int
     const auto& past = in.shapes[1];
     if (past.size() != 4) Fail("past_key " + ShapeString(past) + " must be [batch, num_heads, past, head_dim]");
     s.past = past[2];
-    const std::vector<int64_t> expected{s.batch, heads, s.past, s.head_dim};
-    RequireShape("past_key", past, expected, "[batch, num_heads, past, head_dim]");
-    RequireShape("past_value", in.shapes[2], expected, "past_key's shape");
+    RequireShape("past_key", past, {s.batch, heads, s.past, s.head_dim}, "[batch, num_heads, past, head_dim]");
+    RequireShape("past_value", in.shapes[2], {s.batch, heads, s.past, s.head_dim}, "past_key's shape");
   }
   RequireShape("seqlens_k", in.shapes[3], {s.batch}, "[batch]");
   const auto& total = in.shapes[4];
-  if (!(total.empty() || total == std::vector<int64_t>{1})) {
+  if (!(total.empty() || (total.size() == 1 && total[0] == 1))) {
     Fail("total_sequence_length " + ShapeString(total) + " must hold one value");
   }
   s.total = *in.Data<int32_t>(4);
@@ -434,20 +485,22 @@ struct AttentionCpuKernel {
   static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
 
   int64_t heads;
+  ConstantInputs constants;
   explicit AttentionCpuKernel(const OrtKernelInfo* info)
-      : heads(RequiredInt(Ort::ConstKernelInfo(info), "num_heads", "the number of query, key and value heads")) {
+      : heads(RequiredInt(Ort::ConstKernelInfo(info), "num_heads", "the number of query, key and value heads")),
+        constants(info, kInputs) {
     if (heads < 1) Fail("num_heads must be >= 1, got " + std::to_string(heads));
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context, kInputs);
+      const Inputs& inputs = Inputs::Read(context, constants);
       const int32_t* seqlens_k = nullptr;
       const infmoe::AttentionSizes s = CheckAttention(inputs, heads, seqlens_k);
-      Ort::UnownedValue y = context.GetOutput(0, {s.batch, s.sequence, s.heads * s.head_dim});
-      const std::vector<int64_t> cache{s.batch, s.heads, s.present, s.head_dim};
-      Ort::UnownedValue key = context.GetOutput(1, cache), value = context.GetOutput(2, cache);
+      const int64_t output[] = {s.batch, s.sequence, s.heads * s.head_dim}, cache[] = {s.batch, s.heads, s.present, s.head_dim};
+      Ort::UnownedValue y = context.GetOutput(0, output, 3);
+      Ort::UnownedValue key = context.GetOutput(1, cache, 4), value = context.GetOutput(2, cache, 4);
       infmoe::DecoderAttention(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), seqlens_k,
                                inputs.Data<float>(5), y.GetTensorMutableData<float>(), key.GetTensorMutableData<float>(),
                                value.GetTensorMutableData<float>(), ParallelForOf(context));
@@ -498,20 +551,20 @@ struct WindowStartsCpuKernel : OneOutput {
   }
 
   int64_t h, r;
+  ConstantInputs constants;
   explicit WindowStartsCpuKernel(const OrtKernelInfo* info)
       : h(RequiredInt(Ort::ConstKernelInfo(info), "ffn_hidden", "H, the expert's hidden units")),
-        r(RequiredInt(Ort::ConstKernelInfo(info), "slice_width", "r, the window's width")) {
+        r(RequiredInt(Ort::ConstKernelInfo(info), "slice_width", "r, the window's width")),
+        constants(info, kInputs) {
     if (r < 1 || r > h) Fail("slice_width must be in [1, ffn_hidden], got " + std::to_string(r) + " with ffn_hidden = " + std::to_string(h));
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context, kInputs);
+      const Inputs& inputs = Inputs::Read(context, constants);
       const infmoe::RouterSizes s = CheckRouter(inputs, h, r);
-      std::vector<int64_t> shape(inputs.shapes[0].begin(), inputs.shapes[0].end() - 1);
-      shape.push_back(s.k);
-      Ort::UnownedValue starts = context.GetOutput(0, shape);
+      Ort::UnownedValue starts = context.GetOutput(0, WithLast(inputs.shapes[0], s.k));
       infmoe::WindowStarts(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), inputs.Data<float>(3),
                            starts.GetTensorMutableData<int64_t>(), ParallelForOf(context));
     });
@@ -527,7 +580,7 @@ struct CudaKernel : CpuKernel<T> {
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(this->kName, [&] {
       Ort::KernelContext context(raw_context);
-      const Inputs inputs(context, this->kInputs);
+      const Inputs& inputs = Inputs::Read(context, this->constants);
       const infmoe::Sizes sizes = CheckShapes(inputs.shapes, this->attributes.slice_width);
       void* stream = context.GetGPUComputeStream();
       const int64_t* starts = inputs.Data<int64_t>(1);

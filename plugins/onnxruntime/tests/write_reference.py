@@ -208,6 +208,10 @@ ATTENTION = [
     ("attn_prefill_past", 2, 65, 40, 2, 8, 15, 2, False),
     ("attn_shared_decode", 2, 1, 400, 4, 32, 7, 2, True),
     ("attn_shared_prefill", 2, 80, 100, 3, 16, 7, 1, True),
+    # heads narrower than a register (several keys a register where the variant allows it)
+    ("attn_packed8_shared", 2, 1, 150, 12, 8, 21, 2, True),
+    ("attn_packed4_decode2", 1, 2, 61, 3, 4, 0, 1, False),
+    ("attn_packed2_decode", 2, 1, 40, 2, 2, 5, 2, False),
 ]
 
 
