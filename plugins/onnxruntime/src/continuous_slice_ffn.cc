@@ -308,21 +308,22 @@ struct Range {
   int64_t lo, hi;
 };
 
-// The runs of units covered by a token's windows, merged across gaps shorter than `gap`, in order.
+// The runs of units covered by a token's windows, merged across gaps shorter than `gap`, in order
+// (in place: Merge turns the windows into the runs).
 void AddWindows(const int64_t* starts, int64_t k, int64_t r, std::vector<Range>& windows) {
   for (int64_t j = 0; j < k; ++j) windows.push_back({starts[j], starts[j] + r});
 }
-std::vector<Range> Merged(std::vector<Range> windows, int64_t gap) {
+void Merge(std::vector<Range>& windows, int64_t gap) {
   std::sort(windows.begin(), windows.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
-  std::vector<Range> runs;
-  for (const Range& w : windows) {
-    if (!runs.empty() && w.lo - runs.back().hi < gap) {
-      runs.back().hi = std::max(runs.back().hi, w.hi);
+  size_t runs = 0;
+  for (const Range& w : windows) {  // run `runs` - 1 lies at or before w
+    if (runs && w.lo - windows[runs - 1].hi < gap) {
+      windows[runs - 1].hi = std::max(windows[runs - 1].hi, w.hi);
     } else {
-      runs.push_back(w);
+      windows[runs++] = w;
     }
   }
-  return runs;
+  windows.resize(runs);
 }
 
 // ---- decode -------------------------------------------------------------------------------------
@@ -747,12 +748,19 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
   struct Chunk {
     int64_t token, lo, hi;
   };
-  std::vector<Chunk> chunks;
-  std::vector<size_t> first_chunk(s.tokens + 1, 0);
+  // The plan in vectors the calling thread keeps (a call allocates no more once they have grown:
+  // a small model's step calls this op a dozen times). The work items, run on the pool's threads
+  // too, reach the caller's through the reference.
+  thread_local std::vector<Chunk> thread_chunks;
+  thread_local std::vector<Range> windows;
+  std::vector<Chunk>& chunks = thread_chunks;
+  chunks.clear();
+  size_t first_chunk[kDecodeMaxTokens + 1] = {};
   for (int64_t t = 0; t < s.tokens; ++t) {
-    std::vector<Range> windows;
+    windows.clear();
     AddWindows(starts + t * s.k, s.k, s.r, windows);
-    for (const Range& run : Merged(std::move(windows), 1)) {
+    Merge(windows, 1);
+    for (const Range& run : windows) {
       // The fewest chunks of at most chunk_rows rows, rounded up to an even number (two threads
       // split a run evenly), all of one size (+-1 row).
       const int64_t length = run.hi - run.lo;
@@ -943,7 +951,8 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
     }
     yg = bias_out.transpose().replicate(n, 1);
     const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + order[begin + g] * s.d; });
-    for (const Range& range : Merged(std::move(windows), kMergeGap)) {
+    Merge(windows, kMergeGap);
+    for (const Range& range : windows) {
       // One work item per block of hidden units: GEMM, bias, GELU, coverage, then the block's
       // partial output (a second GEMM); partials are added in block order afterwards.
       const int64_t rows = range.hi - range.lo;
@@ -1131,7 +1140,8 @@ void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, 
 
 // Heads narrower than a register (head_dim 8 on AVX-512): W / M keys side by side in each register
 // (a head's cache holds its keys back to back, ld = M), so no lane idles and one fold tree sums
-// twice the keys (a step of a small model over 128 positions: 0.XXx the time of the paths above).
+// twice the keys (12 heads of 8 over 129 keys: 2.2 us above the op's floor, against 3.3 with the
+// paths above).
 // M = head_dim divides W; keys past the last full pass one at a time.
 template <int M>
 void PackedScores(const float* q, const float* keys, int64_t n, float* scores) {
