@@ -25,8 +25,8 @@ MASKED = np.finfo(np.float32).min
 
 
 def make_feeds(rng, batch, sequence, past, heads, dim, shorter=0, bias_rows=None):
-    """Random qkv, cache and bias (about one key in ten masked, as left padding is); row b's
-    cache holds past - (shorter if b is odd) positions (rows of different lengths)."""
+    """Random qkv, qkv_bias, cache and bias (about one key in ten masked, as left padding is); row
+    b's cache holds past - (shorter if b is odd) positions (rows of different lengths)."""
     total = past + sequence
     lengths = [past - (shorter if b % 2 else 0) + sequence for b in range(batch)]
     bias = rng.standard_normal((bias_rows or batch, 1, sequence, total)) * 0.5
@@ -36,16 +36,17 @@ def make_feeds(rng, batch, sequence, past, heads, dim, shorter=0, bias_rows=None
             "past_value": rng.standard_normal((batch, heads, past, dim)).astype(np.float32),
             "seqlens_k": np.array(lengths, np.int32) - 1,
             "total_sequence_length": np.array([total], np.int32),
-            "attention_bias": bias.astype(np.float32)}
+            "attention_bias": bias.astype(np.float32),
+            "qkv_bias": rng.standard_normal(3 * heads * dim).astype(np.float32)}
 
 
 def reference(feeds, heads):
     return decoder_attention(feeds["qkv"], feeds.get("past_key"), feeds.get("past_value"), feeds["seqlens_k"],
-                             feeds["total_sequence_length"], feeds["attention_bias"], heads)
+                             feeds["total_sequence_length"], feeds["attention_bias"], heads, feeds.get("qkv_bias"))
 
 
-def model(heads, past=True, attributes=None):
-    return with_attributes(attention_model(heads, past=past), attributes).SerializeToString()
+def model(heads, past=True, attributes=None, qkv_bias=True):
+    return with_attributes(attention_model(heads, past=past, qkv_bias=qkv_bias), attributes).SerializeToString()
 
 
 def assert_matches(outputs, expected, tolerance=1e-5):
@@ -75,13 +76,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("qkv_bias", [True, False])
 @pytest.mark.parametrize("batch, sequence, past, heads, dim, shorter", CASES)
-def test_attention_matches_the_reference(library, batch, sequence, past, heads, dim, shorter):
+def test_attention_matches_the_reference(library, batch, sequence, past, heads, dim, shorter, qkv_bias):
     rng = np.random.default_rng([SEED, batch, sequence, past, dim])
     feeds = make_feeds(rng, batch, sequence, past, heads, dim, shorter)
-    if past == 0:  # the optional past inputs absent
-        feeds = {n: v for n, v in feeds.items() if not n.startswith("past")}
-    assert_matches(session(model(heads, past=past > 0)).run(None, feeds), reference(feeds, heads))
+    # the optional inputs absent: past (no past), qkv_bias (models exported before it)
+    feeds = {n: v for n, v in feeds.items() if (past or not n.startswith("past")) and (qkv_bias or n != "qkv_bias")}
+    assert_matches(session(model(heads, past=past > 0, qkv_bias=qkv_bias)).run(None, feeds), reference(feeds, heads))
 
 
 @pytest.mark.parametrize("sequence", [1, 100])
@@ -171,6 +173,7 @@ def test_attention_bad_attributes_are_errors(library, attributes, message):
     (lambda f: f.update(total_sequence_length=np.array([7, 7], np.int32)), r"total_sequence_length \[2\] must hold one"),
     (lambda f: f.update(attention_bias=f["attention_bias"][..., :6].copy()),
      r"attention_bias \[2, 1, 1, 6\] must be \[1 or batch, 1, sequence, total_sequence_length\] = \[1 or 2, 1, 1, 7\]"),
+    (lambda f: f.update(qkv_bias=f["qkv_bias"][:47].copy()), r"qkv_bias \[47\] must be \[3 num_heads head_dim\] = \[48\]"),
 ])
 def test_attention_bad_inputs_are_errors(library, change, message):
     feeds = _feeds()
@@ -192,6 +195,7 @@ def test_attention_past_key_without_past_value_is_an_error(library):
     ("seqlens_k", np.int64, TensorProto.INT64, "seqlens_k must be int32, got int64"),
     ("past_key", np.float64, TensorProto.DOUBLE, "past_key must be float32, got float64"),
     ("attention_bias", np.int32, TensorProto.INT32, "attention_bias must be float32, got int32"),
+    ("qkv_bias", np.float64, TensorProto.DOUBLE, "qkv_bias must be float32, got float64"),
 ])
 def test_attention_wrong_element_types_are_errors(library, name, dtype, elem, message):
     feeds = _feeds()

@@ -149,11 +149,13 @@ def QMatMul(A, B, scales, K: int, N: int, bits: int, block_size: int):
 
 
 @script(infmoe, default_opset=op)
-def DecoderAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, num_heads: int):
-    # GroupQueryAttention's inputs 1, 2 (separate key and value) and 7-9 (rotary) stay empty.
+def DecoderAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, qkv_bias,
+                     num_heads: int):
+    # GroupQueryAttention's inputs 1, 2 (separate key and value) and 7-9 (rotary) stay empty; it
+    # has no bias input, so qkv_bias (optional to the kernel, given by every export) is an Add here.
     y, present_key, present_value = contrib.GroupQueryAttention(
-        qkv, None, None, past_key, past_value, seqlens_k, total_sequence_length, None, None, None, attention_bias,
-        num_heads=num_heads, kv_num_heads=num_heads)
+        op.Add(qkv, qkv_bias), None, None, past_key, past_value, seqlens_k, total_sequence_length, None, None, None,
+        attention_bias, num_heads=num_heads, kv_num_heads=num_heads)
     return y, present_key, present_value
 
 
@@ -221,13 +223,15 @@ def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "floa
     return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
 
 
-def attention_model(num_heads: int, with_function: bool = False, past: bool = True):
-    """A one-node model of `infmoe::DecoderAttention` (every input of free shape; past: with the
-    optional past_key and past_value): tests, fuzzing, benchmarks; with_function attaches its
-    fallback (GroupQueryAttention)."""
-    names = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "attention_bias"]
+def attention_model(num_heads: int, with_function: bool = False, past: bool = True, qkv_bias: bool = True):
+    """A one-node model of `infmoe::DecoderAttention` (every input of free shape; past, qkv_bias:
+    with those optional inputs): tests, fuzzing, benchmarks; with_function attaches its fallback
+    (an Add and GroupQueryAttention), which needs qkv_bias."""
+    if with_function and not qkv_bias:
+        raise ValueError("DecoderAttention's fallback function needs qkv_bias")
+    names = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "attention_bias", "qkv_bias"]
     types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
-    used = [n for n in names if past or not n.startswith("past")]
+    used = [n for n in names if (past or not n.startswith("past")) and (qkv_bias or n != "qkv_bias")]
     inputs = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in used]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present_key", "present_value")]
     node = helper.make_node(ATTENTION_OP_TYPE, [n if n in used else "" for n in names], [o.name for o in outputs],

@@ -5,12 +5,13 @@ A traced variant, not a rewrite of the portable graph: `OrtDecoder` runs the ref
 own modules (embeddings, LayerNorm weights, the Linear layers, the routers and the exporter's
 expert op, `window_starts` included) but writes each layer as
 
-    qkv      = MatMul + Add                                           (one per layer)
+    qkv      = MatMul                                                 (one per layer)
     attn, present.i.key, present.i.value =
                infmoe::DecoderAttention(qkv packed, past.i.key, past.i.value,
-                                        seqlens_k, total_sequence_length, attention_bias)
-               (com.microsoft GroupQueryAttention as its fallback function: the node onnxruntime
-               runs without our kernel library; docs/onnxruntime-kernel.md)
+                                        seqlens_k, total_sequence_length, attention_bias, qkv.bias)
+               (the bias added inside: one node fewer a layer; an Add and com.microsoft
+               GroupQueryAttention as its fallback function: the nodes onnxruntime runs without
+               our kernel library; docs/onnxruntime-kernel.md)
     ln_2, h  = com.microsoft SkipLayerNormalization(attn @ proj, x, ln_2, bias = proj.bias)
     starts   = infmoe::WindowStarts(ln_2, the router's mu and sigma as one [D, 2] matrix
                h.{i}.moe.router.weight, its [2] bias, eps): the router and SPEC §3's starts in one
@@ -137,12 +138,13 @@ class OrtDecoder(nn.Module):
         past_names = io.past_names
         for i, block in enumerate(model.h):
             attn = block.attn
-            qkv = attn.qkv(a)
+            qkv = F.linear(a, attn.qkv.weight)
             past = [named[name] for name in past_names[2 * i:2 * i + 2]] if io.past else [None, None]
             past_length = past[0].shape[2] if io.past else 0
             kv_shape = [batch, c.n_head, past_length + sequence, c.head_dim]
             y, key, value = torch.onnx.ops.symbolic_multi_out(
-                f"{DOMAIN}::{ATTENTION_OP_TYPE}", (qkv, past[0], past[1], seqlens_k, total_length, attention_bias),
+                f"{DOMAIN}::{ATTENTION_OP_TYPE}",
+                (qkv, past[0], past[1], seqlens_k, total_length, attention_bias, attn.qkv.bias),
                 dict(num_heads=c.n_head),
                 dtypes=(qkv.dtype,) * 3, shapes=([batch, sequence, c.d_model], kv_shape, kv_shape), version=1)
             presents += [key, value]
@@ -159,12 +161,15 @@ class OrtDecoder(nn.Module):
         return tuple(outputs)
 
 
-def decoder_attention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, num_heads):
+def decoder_attention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, num_heads,
+                      qkv_bias=None):
     """What infmoe::DecoderAttention computes (docs/onnxruntime-kernel.md), in float64 numpy: the
-    reference its kernel and fallback are tested against. Row b's cache holds past_b = seqlens_k[b]
-    + 1 - S positions of past (None: no past), then the S new keys and values, zeros after; query i
-    sees keys j <= past_b + i, scores q . k / sqrt(head_dim) + attention_bias. Returns y,
-    present_key, present_value."""
+    reference its kernel and fallback are tested against. qkv_bias (optional) is added to qkv first,
+    in float32 as the Add it replaces. Row b's cache holds past_b = seqlens_k[b] + 1 - S positions
+    of past (None: no past), then the S new keys and values, zeros after; query i sees keys j <=
+    past_b + i, scores q . k / sqrt(head_dim) + attention_bias. Returns y, present_key, present_value."""
+    if qkv_bias is not None:
+        qkv = np.asarray(qkv, np.float32) + np.asarray(qkv_bias, np.float32)
     qkv, bias = np.asarray(qkv, np.float64), np.asarray(attention_bias, np.float64)
     batch, sequence, width = qkv.shape
     dim = width // (3 * num_heads)

@@ -187,7 +187,8 @@ def matmul_problem(feeds, K, N, bits, block_size):
 
 
 def random_attention_case(rng):
-    """(feeds, num_heads, problem) of DecoderAttention; feeds without past_* when there is none."""
+    """(feeds, num_heads, problem) of DecoderAttention; feeds without past_* when there is none,
+    with qkv_bias half the time."""
     batch, heads, dim = int(rng.integers(0, 4)), int(rng.integers(1, 7)), int(rng.integers(1, 41))
     sequence = int(rng.integers(0, 5)) if rng.random() < 0.8 else int(rng.integers(5, 150))
     past = int(rng.integers(0, 300)) if rng.random() < 0.8 else 0
@@ -203,6 +204,8 @@ def random_attention_case(rng):
              "attention_bias": bias.astype(np.float32)}
     if past == 0 and rng.random() < 0.5:
         del feeds["past_key"], feeds["past_value"]
+    if rng.random() < 0.5:
+        feeds["qkv_bias"] = rng.standard_normal(3 * heads * dim).astype(np.float32)
     roll = rng.random()
     if roll < 0.15:  # one input gets a dimension changed, dropped or added
         name = str(rng.choice(list(feeds)))
@@ -231,7 +234,7 @@ def attention_problem(feeds, heads):
     if "past_key" in feeds and (feeds["past_key"].shape != (batch, heads, past, dim)
                                 or feeds["past_value"].shape != (batch, heads, past, dim)):
         return "shape"
-    if feeds["seqlens_k"].shape != (batch,):
+    if feeds["seqlens_k"].shape != (batch,) or feeds.get("qkv_bias", np.zeros(qkv[2])).shape != (qkv[2],):
         return "shape"
     total = int(total.reshape(-1)[0])
     if not 1 <= total <= past + sequence:
@@ -330,8 +333,8 @@ def main():
             make_model = lambda: window_starts_model(h, r)  # noqa: E731
         elif kind == "attention":
             feeds, heads, problem = random_attention_case(rng)
-            dtype, key = np.float32, ("attention", heads, "past_key" in feeds)
-            make_model = lambda: attention_model(heads, past="past_key" in feeds)  # noqa: E731
+            dtype, key = np.float32, ("attention", heads, "past_key" in feeds, "qkv_bias" in feeds)
+            make_model = lambda: attention_model(heads, past="past_key" in feeds, qkv_bias="qkv_bias" in feeds)  # noqa: E731
         elif kind == "matmul":
             feeds, attributes, dtype, problem = random_matmul_case(rng)
             key = tuple(attributes.values())
@@ -364,7 +367,8 @@ def main():
             continue
         if kind == "attention":
             expected = decoder_attention(*(feeds.get(n) for n in ("qkv", "past_key", "past_value", "seqlens_k",
-                                                                   "total_sequence_length", "attention_bias")), heads)
+                                                                   "total_sequence_length", "attention_bias")), heads,
+                                         feeds.get("qkv_bias"))
             y, ref = np.concatenate([o.reshape(-1) for o in outputs]), np.concatenate([e.reshape(-1) for e in expected])
         elif kind == "matmul":
             tensors = {name: torch.from_numpy(value) for name, value in feeds.items()}

@@ -1321,8 +1321,18 @@ void RunQMatMul(const MatMulSizes& s, const Quantization& q, const T* x, const Q
 }
 
 void RunAttention(const AttentionSizes& s, const float* qkv, const float* past_key, const float* past_value,
-                  const int32_t* seqlens_k, const float* bias, float* y, float* present_key, float* present_value,
-                  const ParallelFor& parallel_for) {
+                  const int32_t* seqlens_k, const float* bias, const float* qkv_bias, float* y, float* present_key,
+                  float* present_value, const ParallelFor& parallel_for) {
+  // The bias added once, into a copy (as its own Add node would: the same bits); a decode step's
+  // qkv is a few KB, a prefill's one pass more than the attention's own.
+  std::vector<float> biased;
+  if (qkv_bias) {
+    const int64_t width = 3 * s.heads * s.head_dim;
+    biased.assign(qkv, qkv + s.batch * s.sequence * width);
+    for (int64_t t = 0; t < s.batch * s.sequence; ++t)
+      for (int64_t c = 0; c < width; ++c) biased[t * width + c] += qkv_bias[c];
+    qkv = biased.data();
+  }
   Attention(s, qkv, past_key, past_value, seqlens_k, bias, y, present_key, present_value, parallel_for);
 }
 

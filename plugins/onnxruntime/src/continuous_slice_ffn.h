@@ -68,6 +68,7 @@ void QMatMul(const MatMulSizes& sizes, const Quantization& quantization, const T
 // cache holds past_b = seqlens_k[b] + 1 - sequence positions; the new keys and values are written
 // to present at [past_b, past_b + sequence) (present may be past's own buffer: then nothing else
 // is written; otherwise row b's past_b positions are copied and the rest zeroed). y [batch, sequence, heads head_dim].
+// qkv_bias [3 heads head_dim] (or null) is added to every token's qkv first, as a separate Add would.
 // Preconditions (checked by the caller): 0 <= past_b <= past, seqlens_k[b] + 1 <= total <= present.
 struct AttentionSizes {
   int64_t batch, sequence, heads, head_dim;
@@ -77,8 +78,8 @@ struct AttentionSizes {
   bool bias_batch;  // attention_bias has a row per batch row (else one, broadcast)
 };
 void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const float* past_key, const float* past_value,
-                      const int32_t* seqlens_k, const float* attention_bias, float* y, float* present_key,
-                      float* present_value, const ParallelFor& parallel_for);
+                      const int32_t* seqlens_k, const float* attention_bias, const float* qkv_bias, float* y,
+                      float* present_key, float* present_value, const ParallelFor& parallel_for);
 
 // infmoe::WindowStarts (docs/onnxruntime-kernel.md): per token, SPEC §3's router z_k = mu + softplus(s)
 // eps_k with [mu, s] = x . weight + bias (weight [d, 2]), then starts = min(sigmoid(z) (h - r + 1),

@@ -413,17 +413,17 @@ struct QMatMulCpuKernel : OneOutput {
 };
 
 // DecoderAttention: qkv [B, S, 3 H d], past_key and past_value [B, H, P, d] (optional: both or
-// neither), seqlens_k int32 [B], total_sequence_length int32 [1], attention_bias [1 or B, 1, S, T];
-// outputs y [B, S, H d], present_key and present_value [B, H, max(P, T), d]. float32 only (the
-// onnxruntime target's activations); the other inputs' types are checked here, by name.
+// neither), seqlens_k int32 [B], total_sequence_length int32 [1], attention_bias [1 or B, 1, S, T],
+// qkv_bias [3 H d] (optional); outputs y [B, S, H d], present_key and present_value [B, H, max(P, T), d].
+// float32 only (the onnxruntime target's activations); the other inputs' types are checked here, by name.
 constexpr const char* kAttentionNames[] = {"qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length",
-                                           "attention_bias"};
+                                           "attention_bias", "qkv_bias"};
 
 infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int32_t*& seqlens_k) {
   const auto require_type = [&](size_t i, ONNXTensorElementDataType type) {
     if (in.types[i] != type) Fail(std::string(kAttentionNames[i]) + " must be " + TypeName(type) + ", got " + TypeName(in.types[i]));
   };
-  for (size_t i : {1, 2, 5}) {
+  for (size_t i : {1, 2, 5, 6}) {
     if (in.Present(i)) require_type(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   }
   require_type(3, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
@@ -444,6 +444,7 @@ infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int
     RequireShape("past_value", in.shapes[2], {s.batch, heads, s.past, s.head_dim}, "past_key's shape");
   }
   RequireShape("seqlens_k", in.shapes[3], {s.batch}, "[batch]");
+  if (in.Present(6)) RequireShape("qkv_bias", in.shapes[6], {qkv[2]}, "[3 num_heads head_dim]");
   const auto& total = in.shapes[4];
   if (!(total.empty() || (total.size() == 1 && total[0] == 1))) {
     Fail("total_sequence_length " + ShapeString(total) + " must hold one value");
@@ -477,11 +478,11 @@ infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int
 
 struct AttentionCpuKernel {
   static constexpr const char* kName = "DecoderAttention";
-  static constexpr size_t kInputs = 6, kOutputs = 3;
+  static constexpr size_t kInputs = 7, kOutputs = 3;
   static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
     return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
-  static bool Optional(size_t index) { return index == 1 || index == 2; }
+  static bool Optional(size_t index) { return index == 1 || index == 2 || index == 6; }
   static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
 
   int64_t heads;
@@ -502,7 +503,7 @@ struct AttentionCpuKernel {
       Ort::UnownedValue y = context.GetOutput(0, output, 3);
       Ort::UnownedValue key = context.GetOutput(1, cache, 4), value = context.GetOutput(2, cache, 4);
       infmoe::DecoderAttention(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), seqlens_k,
-                               inputs.Data<float>(5), y.GetTensorMutableData<float>(), key.GetTensorMutableData<float>(),
+                               inputs.Data<float>(5), inputs.Data<float>(6), y.GetTensorMutableData<float>(), key.GetTensorMutableData<float>(),
                                value.GetTensorMutableData<float>(), ParallelForOf(context));
     });
   }

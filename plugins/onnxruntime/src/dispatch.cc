@@ -27,7 +27,7 @@
   void RunQMatMul(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,       \
                   const ParallelFor&);                                                                    \
   void RunAttention(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,      \
-                    const float*, float*, float*, float*, const ParallelFor&);                            \
+                    const float*, const float*, float*, float*, float*, const ParallelFor&);              \
   INFMOE_DECLARE_RUN(float)                                                                               \
   INFMOE_DECLARE_RUN(uint16_t)                                                                            \
   }
@@ -55,7 +55,7 @@ using MatMulKernel = void (*)(const MatMulSizes&, const Quantization&, const T*,
                               const ParallelFor&);
 
 using AttentionKernel = void (*)(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,
-                                 const float*, float*, float*, float*, const ParallelFor&);
+                                 const float*, const float*, float*, float*, float*, const ParallelFor&);
 
 struct Variant {
   const char* name;
@@ -183,10 +183,10 @@ template void QMatMul<uint16_t>(const MatMulSizes&, const Quantization&, const u
                                 const QuantizedMatrix<uint16_t>&, uint16_t*, const ParallelFor&);
 
 void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const float* past_key, const float* past_value,
-                      const int32_t* seqlens_k, const float* attention_bias, float* y, float* present_key,
-                      float* present_value, const ParallelFor& parallel_for) {
-  Chosen().attention(sizes, qkv, past_key, past_value, seqlens_k, attention_bias, y, present_key, present_value,
-                     parallel_for);
+                      const int32_t* seqlens_k, const float* attention_bias, const float* qkv_bias, float* y,
+                      float* present_key, float* present_value, const ParallelFor& parallel_for) {
+  Chosen().attention(sizes, qkv, past_key, past_value, seqlens_k, attention_bias, qkv_bias, y, present_key,
+                     present_value, parallel_for);
 }
 
 }  // namespace infmoe

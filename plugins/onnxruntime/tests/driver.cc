@@ -304,11 +304,11 @@ Result CheckQMatMul(const Case& c) {
   return Judged(y, c, 3, identical, shape);
 }
 
-// qkv past_key past_value seqlens_k bias | y present_key present_value
+// qkv past_key past_value seqlens_k bias qkv_bias | y present_key present_value
 Result CheckAttention(const Case& c) {
   infmoe::AttentionSizes s{c.Size(0), c.Size(1), c.Size(2), c.Size(3), c.Size(4), 0, c.Size(5), false};
   const int64_t bias_rows = c.Size(6);
-  const bool shared = c.Size(7) != 0;
+  const bool shared = c.Size(7) != 0, with_qkv_bias = c.Size(8) != 0;
   s.present = std::max(s.past, s.total);
   s.bias_batch = bias_rows == s.batch && s.batch != 1;
   const size_t ny = static_cast<size_t>(s.batch * s.sequence * s.heads * s.head_dim);
@@ -319,11 +319,12 @@ Result CheckAttention(const Case& c) {
   const float *past_key = c.Get<float>(1, past), *past_value = c.Get<float>(2, past);
   const int32_t* seqlens_k = c.Get<int32_t>(3, s.batch);
   const float* bias = c.Get<float>(4, bias_rows * s.sequence * s.total);
+  const float* qkv_bias = with_qkv_bias ? c.Get<float>(5, 3 * s.heads * s.head_dim) : nullptr;
   const std::string shape = Shape({{"batch", s.batch}, {"sequence", s.sequence}, {"heads", s.heads},
                                    {"head_dim", s.head_dim}, {"past", s.past}, {"total", s.total}}) +
                             " seqlens_k " + std::to_string(seqlens_k[0]) +
                             (s.batch > 1 ? "," + std::to_string(seqlens_k[1]) : "") +
-                            (shared ? " present = past" : " present apart");
+                            (shared ? " present = past" : " present apart") + (with_qkv_bias ? ", qkv bias" : "");
   // y, present_key and present_value in one buffer; shared: the two caches start as past's values.
   bool identical;
   const auto out = RunBoth<float>([&](const infmoe::ParallelFor& parallel_for) {
@@ -333,12 +334,12 @@ Result CheckAttention(const Case& c) {
       std::copy(past_key, past_key + past, key);
       std::copy(past_value, past_value + past, value);
     }
-    infmoe::DecoderAttention(s, qkv, shared ? key : past_key, shared ? value : past_value, seqlens_k, bias,
+    infmoe::DecoderAttention(s, qkv, shared ? key : past_key, shared ? value : past_value, seqlens_k, bias, qkv_bias,
                              buffer.data(), key, value, parallel_for);
     return buffer;
   }, &identical);
-  const double err = RelativeError(Doubles(out.data(), ny), Doubles(c, 5, ny));
-  const float *key_ref = c.Get<float>(6, present), *value_ref = c.Get<float>(7, present);
+  const double err = RelativeError(Doubles(out.data(), ny), Doubles(c, 6, ny));
+  const float *key_ref = c.Get<float>(7, present), *value_ref = c.Get<float>(8, present);
   const bool cache = std::memcmp(out.data() + ny, key_ref, present * sizeof(float)) == 0 &&
                      std::memcmp(out.data() + ny + present, value_ref, present * sizeof(float)) == 0;
   return {err <= 1e-5 && cache && identical, shape,

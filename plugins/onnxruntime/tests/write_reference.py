@@ -46,14 +46,14 @@ from infmoe_export.quant import QuantizedWeight, pack_blocks, q_continuous_slice
 MAGIC = b"INFMOE02"
 # The driver reads these in this order (documentation; write() takes them as given).
 SIZES = {"ffn": "tokens d h k r", "refuse": "tokens d h k r bad_index", "qffn": "bits block tokens d h k r",
-         "qmatmul": "bits block tokens k n", "attn": "batch sequence heads head_dim past total bias_rows shared",
+         "qmatmul": "bits block tokens k n", "attn": "batch sequence heads head_dim past total bias_rows shared qkv_bias",
          "starts": "tokens d k h r eps_per_token"}
 ARRAYS = {"ffn": "starts x w_in b_in w_out b_out | y y16 (fp16 inputs, computed in float32)",
           "refuse": "starts",
           "qffn": "starts x w_in_q w_in_scale b_in w_out_q w_out_scale b_out | y",
           "qmatmul": "a b scales | y",
-          "attn": "qkv past_key past_value seqlens_k bias | y present_key present_value "
-                  "(present: what the buffer must hold after the call)",
+          "attn": "qkv past_key past_value seqlens_k bias qkv_bias | y present_key present_value "
+                  "(qkv_bias: read when the size says so; present: what the buffer must hold after the call)",
           "starts": "x weight bias eps | starts near (1: may differ by one)"}
 
 
@@ -197,39 +197,41 @@ def qmatmul_cases(rng):
 
 MASKED = np.finfo(np.float32).min
 
-# name, batch, sequence, past, heads, head_dim, shorter, bias rows, shared. Row b's cache holds
-# P - (shorter if b is odd) positions, then the sequence's: P = past with a separate present;
+# name, batch, sequence, past, heads, head_dim, shorter, bias rows, shared, qkv bias. Row b's cache
+# holds P - (shorter if b is odd) positions, then the sequence's: P = past with a separate present;
 # with present = past's own buffer (past positions), P = past - sequence - 3, so that every row
 # leaves positions the op must not touch.
 ATTENTION = [
-    ("attn_decode_past", 2, 1, 300, 4, 32, 37, 2, False),  # enough work for the thread pool
-    ("attn_decode3_odd", 2, 3, 9, 2, 13, 4, 1, False),     # head_dim odd, bias broadcast
-    ("attn_prefill", 2, 70, 0, 3, 16, 0, 2, False),        # no past, two blocks of 64 queries
-    ("attn_prefill_past", 2, 65, 40, 2, 8, 15, 2, False),
-    ("attn_shared_decode", 2, 1, 400, 4, 32, 7, 2, True),
-    ("attn_shared_prefill", 2, 80, 100, 3, 16, 7, 1, True),
+    ("attn_decode_past", 2, 1, 300, 4, 32, 37, 2, False, True),  # enough work for the thread pool
+    ("attn_decode3_odd", 2, 3, 9, 2, 13, 4, 1, False, False),    # head_dim odd, bias broadcast
+    ("attn_prefill", 2, 70, 0, 3, 16, 0, 2, False, False),       # no past, two blocks of 64 queries
+    ("attn_prefill_past", 2, 65, 40, 2, 8, 15, 2, False, True),
+    ("attn_shared_decode", 2, 1, 400, 4, 32, 7, 2, True, False),
+    ("attn_shared_prefill", 2, 80, 100, 3, 16, 7, 1, True, True),
     # heads narrower than a register (several keys a register where the variant allows it)
-    ("attn_packed8_shared", 2, 1, 150, 12, 8, 21, 2, True),
-    ("attn_packed4_decode2", 1, 2, 61, 3, 4, 0, 1, False),
-    ("attn_packed2_decode", 2, 1, 40, 2, 2, 5, 2, False),
+    ("attn_packed8_shared", 2, 1, 150, 12, 8, 21, 2, True, True),
+    ("attn_packed4_decode2", 1, 2, 61, 3, 4, 0, 1, False, False),
+    ("attn_packed2_decode", 2, 1, 40, 2, 2, 5, 2, False, True),
 ]
 
 
 def attention_cases(rng):
-    for name, batch, sequence, past, heads, dim, shorter, bias_rows, shared in ATTENTION:
+    for name, batch, sequence, past, heads, dim, shorter, bias_rows, shared, with_qkv_bias in ATTENTION:
         first = past - sequence - 3 if shared else past
         lengths = np.array([first - (shorter if b % 2 else 0) for b in range(batch)]) + sequence
         total = int(lengths.max()) if shared else past + sequence
         bias = rng.standard_normal((bias_rows, 1, sequence, total)) * 0.5
         bias[rng.random(bias.shape) < 0.1] = MASKED  # about one key in ten masked, as left padding is
         feeds = [normal(rng, batch, sequence, 3 * heads * dim), normal(rng, batch, heads, past, dim),
-                 normal(rng, batch, heads, past, dim), (lengths - 1).astype(np.int32), bias.astype(np.float32)]
+                 normal(rng, batch, heads, past, dim), (lengths - 1).astype(np.int32), bias.astype(np.float32),
+                 normal(rng, 3 * heads * dim)]
         y, key, value = decoder_attention(feeds[0], feeds[1] if past else None, feeds[2], feeds[3],
-                                          np.array([total], np.int32), feeds[4], heads)
+                                          np.array([total], np.int32), feeds[4], heads,
+                                          feeds[5] if with_qkv_bias else None)
         if shared:  # the new positions written; everything after a row's length as it was
             written = np.arange(past)[None, None, :, None] < lengths[:, None, None, None]
             key, value = np.where(written, key, feeds[1]), np.where(written, value, feeds[2])
-        yield name, "attn", [batch, sequence, heads, dim, past, total, bias_rows, int(shared)], \
+        yield name, "attn", [batch, sequence, heads, dim, past, total, bias_rows, int(shared), int(with_qkv_bias)], \
             [*feeds, y, key.astype(np.float32), value.astype(np.float32)]
 
 
