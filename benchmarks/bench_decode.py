@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort beside thi
 from bench_ort import SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import DOMAIN  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
-from infmoe_export.export.function import ATTENTION_OP_TYPE, ROUTER_OP_TYPE  # noqa: E402
+from infmoe_export.export.function import ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE  # noqa: E402
 from infmoe_export.files import write_json  # noqa: E402
 from infmoe_export.model import InfMoEConfig, InfMoEGPT  # noqa: E402
 from infmoe_export.report.bench import text_tokens  # noqa: E402
@@ -154,10 +154,10 @@ class Decoder:
 
 
 def with_fallbacks(exported, path: Path):
-    """The onnxruntime target with its DecoderAttention and WindowStarts nodes inlined as their
-    fallback functions (docs/onnxruntime-kernel.md)."""
-    model = onnx.inliner.inline_selected_functions(onnx.load(str(exported.path)),
-                                                   [(DOMAIN, ATTENTION_OP_TYPE), (DOMAIN, ROUTER_OP_TYPE)])
+    """The onnxruntime target with its DecoderAttention, WindowStarts and StepInputs nodes inlined
+    as their fallback functions (docs/onnxruntime-kernel.md)."""
+    inlined = [(DOMAIN, op_type) for op_type in (ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE)]
+    model = onnx.inliner.inline_selected_functions(onnx.load(str(exported.path)), inlined)
     onnx.save(model, str(path))
     return dataclasses.replace(exported, path=path)
 

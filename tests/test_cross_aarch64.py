@@ -1,6 +1,6 @@
 """The kernel's CPU computations (the float and quantized expert ops, QMatMul, DecoderAttention,
-WindowStarts and the starts check) through its C++ test driver (plugins/onnxruntime/tests/driver.cc),
-against fresh reference data from the Python references: cross-compiled for aarch64 (armv8-a)
+WindowStarts, StepInputs and the starts check) through its C++ test driver
+(plugins/onnxruntime/tests/driver.cc), against fresh reference data from the Python references: cross-compiled for aarch64 (armv8-a)
 and run under qemu-aarch64, and built natively, where every CPU variant the machine supports runs
 (and, when qemu-x86_64 exists, the portable baseline under a CPU model without AVX)."""
 
@@ -15,7 +15,7 @@ import pytest
 PLUGIN = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "onnxruntime"
 SCRIPT = PLUGIN / "cross_test.sh"
 WRITER = PLUGIN / "tests" / "write_reference.py"
-KINDS = {"ffn", "refuse", "qffn", "qmatmul", "attn", "starts"}  # write_reference.py's kinds of case
+KINDS = {"ffn", "refuse", "qffn", "qmatmul", "attn", "starts", "steps"}  # write_reference.py's kinds of case
 
 
 def headers_or_skip():

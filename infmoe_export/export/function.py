@@ -38,12 +38,14 @@ from ..contract import DOMAIN, OP_TYPE, OP_VERSION
 from ..model import GELU_TANH_C, GELU_TANH_CUBIC
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QMATMUL_OP_TYPE
 
-ATTENTION_OP_TYPE, ROUTER_OP_TYPE = "DecoderAttention", "WindowStarts"
+ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE = "DecoderAttention", "WindowStarts", "StepInputs"
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
 contrib = values.Opset("com.microsoft", 1)
 
 _NAN = math.nan
+_INT64_MAX = 2 ** 63 - 1
+_FLOAT32_LOWEST = -3.4028234663852886e38  # float32's lowest: the additive mask of a pad
 
 
 @script(infmoe, default_opset=op)
@@ -169,8 +171,28 @@ def WindowStarts(X, weight, bias, eps, ffn_hidden: int, slice_width: int):
     return op.Cast(op.Clip(op.Mul(op.Sigmoid(z), op.Add(last, 1.0)), None, last), to=TensorProto.INT64)
 
 
+@script(infmoe, default_opset=op)
+def StepInputs(input_ids, attention_mask):
+    # Positions count real tokens only (model.py): the exclusive cumsum of the mask (cumsum - 1
+    # clamped at 0 wherever a token is real or a left pad), its last `sequence` columns.
+    counts = op.CumSum(attention_mask, op.Constant(value_int=1), exclusive=1)
+    sequence = op.Shape(input_ids, start=1)
+    position_ids = op.Slice(counts, op.Neg(sequence), op.Constant(value_ints=[_INT64_MAX]), op.Constant(value_ints=[1]))
+    # Every row holds `total` positions in the cache (pads too, masked by the bias): seqlens_k =
+    # total - 1, the last index of the largest of the (non-decreasing) counts.
+    seqlens_k = op.Cast(op.ArgMax(counts, axis=1, keepdims=0, select_last_index=1), to=TensorProto.INT32)
+    total_sequence_length = op.Cast(op.Shape(attention_mask, start=1), to=TensorProto.INT32)
+    bias = op.Where(op.Cast(attention_mask, to=TensorProto.BOOL), op.Constant(value_float=0.0),
+                    op.Constant(value_float=_FLOAT32_LOWEST))
+    # [batch, 1, 1, total] broadcast with [sequence, 1]: [batch, 1, sequence, total]
+    attention_bias = op.Expand(op.Unsqueeze(bias, op.Constant(value_ints=[1, 2])),
+                               op.Concat(sequence, op.Constant(value_ints=[1]), axis=0))
+    return position_ids, seqlens_k, total_sequence_length, attention_bias
+
+
 FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN),
-             QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,), ROUTER_OP_TYPE: (WindowStarts,)}
+             QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,), ROUTER_OP_TYPE: (WindowStarts,),
+             STEP_OP_TYPE: (StepInputs,)}
 
 
 def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
@@ -239,6 +261,21 @@ def attention_model(num_heads: int, with_function: bool = False, past: bool = Tr
     graph = helper.make_graph([node], "decoder_attention", inputs, outputs)
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
     functions = [DecoderAttention.to_function_proto()] if with_function else []
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+
+
+def step_inputs_model(with_function: bool = False):
+    """A one-node model of `infmoe::StepInputs` (input_ids and attention_mask int64 of free
+    shape): tests; with_function attaches its fallback (the standard ops)."""
+    names = ["input_ids", "attention_mask"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in names]
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in (
+        ("position_ids", TensorProto.INT64), ("seqlens_k", TensorProto.INT32),
+        ("total_sequence_length", TensorProto.INT32), ("attention_bias", TensorProto.FLOAT))]
+    node = helper.make_node(STEP_OP_TYPE, names, [o.name for o in outputs], domain=DOMAIN)
+    graph = helper.make_graph([node], "step_inputs", inputs, outputs)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
+    functions = [StepInputs.to_function_proto()] if with_function else []
     return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
 
 

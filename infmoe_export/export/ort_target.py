@@ -28,7 +28,8 @@ graph (Optimum, validation). Its causal mask is its own; left padding is an addi
 attention_bias from attention_mask, and seqlens_k (= total - 1 for every row: the pads hold
 positions in the cache) and total_sequence_length are computed in the graph from
 attention_mask's length, as onnxruntime-genai's builder does, so a client feeds Optimum's
-inputs only.
+inputs only: all three, and the position ids, by one infmoe::StepInputs node per step (its
+fallback function: the thirteen standard ops the target wrote before).
 """
 
 import numpy as np
@@ -39,7 +40,7 @@ from torch import nn
 
 from ..contract import DOMAIN, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, DecoderIO
 from ..errors import InfMoEError
-from .function import ATTENTION_OP_TYPE, ROUTER_OP_TYPE
+from .function import ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE
 
 MS_DOMAIN = "com.microsoft"
 # onnxruntime's GroupQueryAttention kernels (the attention's fallback) refuse other head sizes at run time.
@@ -59,14 +60,6 @@ def _skip_layer_norm(x, skip, norm: nn.LayerNorm, bias=None):
         f"{MS_DOMAIN}::SkipLayerNormalization", inputs, dict(epsilon=float(norm.eps)),
         dtypes=(x.dtype,) * 4, shapes=(shape, [*shape[:-1], 1], [*shape[:-1], 1], shape), version=1)
     return out, total
-
-
-_INT64_MAX = 2 ** 63 - 1
-
-
-def _op(op_type: str, inputs, shape, dtype, **attributes):
-    """One ONNX node, written as is (torch's own decomposition takes more nodes)."""
-    return torch.onnx.ops.symbolic(op_type, inputs, attributes, dtype=dtype, shape=shape)
 
 
 class _FusedRouter(nn.Module):
@@ -115,23 +108,13 @@ class OrtDecoder(nn.Module):
         if eps is None:  # [K], broadcast by the router
             eps = self.quantile_eps
 
-        # The once-per-step inputs in as few nodes as we can (every node adds onnxruntime's
-        # per-node overhead to a decode step). Positions count real tokens only (model.py): the exclusive
-        # cumsum of the mask, which is cumsum - 1 clamped at 0 wherever a token is real or a left
-        # pad; the last `sequence` columns, sliced from the end.
-        counts = _op("CumSum", (mask, torch.tensor(1)), (batch, total), torch.int64, exclusive=1)
-        sequence_length = _op("Shape", (input_ids,), (1,), torch.int64, start=1)
-        positions = _op("Slice", (counts, -sequence_length, torch.tensor([_INT64_MAX]), torch.tensor([1])),
-                        (batch, sequence), torch.int64)
-        # The attention's inputs: every row holds `total` positions in the cache (pads too,
-        # masked below), so seqlens_k = total - 1 for each row: the last index of the maximum of
-        # the (non-decreasing) counts.
-        seqlens_k = _op("ArgMax", (counts,), (batch,), torch.int64, axis=1, keepdims=0,
-                        select_last_index=1).to(torch.int32)
-        total_length = _op("Shape", (mask,), (1,), torch.int64, start=1).to(torch.int32)
-        bias = torch.where(mask.to(torch.bool), 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
-        rows = torch.cat([sequence_length, torch.tensor([1])])  # [sequence, 1]: broadcast to [batch, 1, sequence, total]
-        attention_bias = _op("Expand", (bias, rows), (batch, 1, sequence, total), torch.float32)
+        # The once-per-step inputs in one node (every node adds onnxruntime's per-node overhead
+        # to a decode step): positions (real tokens only, model.py) and the attention's
+        # seqlens_k, total_sequence_length and attention_bias, from attention_mask.
+        positions, seqlens_k, total_length, attention_bias = torch.onnx.ops.symbolic_multi_out(
+            f"{DOMAIN}::{STEP_OP_TYPE}", (input_ids, mask), {},
+            dtypes=(torch.int64, torch.int32, torch.int32, torch.float32),
+            shapes=([batch, sequence], [batch], [1], [batch, 1, sequence, total]), version=1)
 
         a, x = _skip_layer_norm(model.wte(input_ids), model.wpe(positions), model.h[0].ln_1)
         presents, all_starts = [], []
@@ -201,6 +184,21 @@ def window_starts_reference(x, weight, bias, eps, ffn_hidden: int, slice_width: 
     z = mu_s[..., :1] + np.logaddexp(0.0, mu_s[..., 1:]) * np.asarray(eps, np.float64)
     value = np.minimum(1.0 / (1.0 + np.exp(-z)) * (ffn_hidden - slice_width + 1), ffn_hidden - slice_width)
     return np.floor(value).astype(np.int64), value
+
+
+def step_inputs_reference(input_ids, attention_mask):
+    """What infmoe::StepInputs computes (docs/onnxruntime-kernel.md), in numpy: (position_ids,
+    seqlens_k, total_sequence_length, attention_bias). counts = the mask's exclusive cumulative sum
+    per row; positions its last `sequence` columns, seqlens_k the last index of its largest value,
+    the bias 0 where the mask is nonzero and float32's lowest elsewhere, every query row alike."""
+    attention_mask = np.asarray(attention_mask, np.int64)
+    batch, sequence = np.shape(input_ids)
+    total = attention_mask.shape[1]
+    counts = np.cumsum(attention_mask, axis=1) - attention_mask
+    last_largest = total - 1 - np.argmax(counts[:, ::-1], axis=1)
+    bias = np.where(attention_mask != 0, np.float32(0), np.finfo(np.float32).min).astype(np.float32)
+    return (counts[:, total - sequence:], last_largest.astype(np.int32), np.array([total], np.int32),
+            np.ascontiguousarray(np.broadcast_to(bias[:, None, None, :], (batch, 1, sequence, total))))
 
 
 def finish_ort_graph(graph: ir.Graph):

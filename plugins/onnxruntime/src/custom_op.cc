@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -572,6 +573,52 @@ struct WindowStartsCpuKernel : OneOutput {
   }
 };
 
+// StepInputs: input_ids [B, S] (for S), attention_mask [B, T] int64; outputs position_ids int64
+// [B, S], seqlens_k int32 [B], total_sequence_length int32 [1] (= T), attention_bias float32
+// [B, 1, S, T].
+constexpr int64_t kMaxBiasElements = int64_t{1} << 30;  // 4 GiB of attention_bias: refused beyond
+
+struct StepInputsCpuKernel {
+  static constexpr const char* kName = "StepInputs";
+  static constexpr size_t kInputs = 2, kOutputs = 4;
+  static ONNXTensorElementDataType InputType(size_t, ONNXTensorElementDataType) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
+  static bool Optional(size_t) { return false; }
+  static ONNXTensorElementDataType OutputType(size_t index, ONNXTensorElementDataType) {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+           : index == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  }
+
+  ConstantInputs constants;
+  explicit StepInputsCpuKernel(const OrtKernelInfo* info) : constants(info, kInputs) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
+    return Guard(kName, [&] {
+      Ort::KernelContext context(raw_context);
+      const Inputs& inputs = Inputs::Read(context, constants);
+      const auto &ids = inputs.shapes[0], &mask = inputs.shapes[1];
+      if (ids.size() != 2) Fail("input_ids " + ShapeString(ids) + " must be [batch, sequence]");
+      if (mask.size() != 2 || mask[0] != ids[0] || mask[1] < std::max<int64_t>(ids[1], 1)) {
+        Fail("attention_mask " + ShapeString(mask) + " must be [batch, total] with input_ids " + ShapeString(ids) +
+             " (total >= max(sequence, 1))");
+      }
+      const infmoe::StepSizes s{ids[0], ids[1], mask[1]};
+      if (s.total > std::numeric_limits<int32_t>::max()) Fail("attention_mask's length must fit int32 (seqlens_k)");
+      if (s.sequence && s.batch * s.total > kMaxBiasElements / s.sequence) {
+        Fail("attention_bias [" + std::to_string(s.batch) + ", 1, " + std::to_string(s.sequence) + ", " +
+             std::to_string(s.total) + "] would hold more than 2^30 values");
+      }
+      const int64_t positions[] = {s.batch, s.sequence}, bias[] = {s.batch, 1, s.sequence, s.total}, one = 1;
+      Ort::UnownedValue position_ids = context.GetOutput(0, positions, 2);
+      Ort::UnownedValue seqlens_k = context.GetOutput(1, &s.batch, 1);
+      Ort::UnownedValue total = context.GetOutput(2, &one, 1);
+      Ort::UnownedValue attention_bias = context.GetOutput(3, bias, 4);
+      *total.GetTensorMutableData<int32_t>() = static_cast<int32_t>(s.total);
+      infmoe::StepInputs(s, inputs.Data<int64_t>(1), position_ids.GetTensorMutableData<int64_t>(),
+                         seqlens_k.GetTensorMutableData<int32_t>(), attention_bias.GetTensorMutableData<float>());
+    });
+  }
+};
+
 #ifdef INFMOE_WITH_CUDA
 // Same checks; starts are copied to the host to be range-checked before any kernel runs.
 template <typename T>
@@ -627,6 +674,7 @@ Op<QMatMulCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_matmul_floa
 Op<QMatMulCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_matmul_half(nullptr);
 Op<AttentionCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_attention(nullptr);
 Op<WindowStartsCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_window_starts(nullptr);
+Op<StepInputsCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64> cpu_step_inputs(nullptr);
 #ifdef INFMOE_WITH_CUDA
 Op<CudaKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cuda_float("CUDAExecutionProvider");
 Op<CudaKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cuda_half("CUDAExecutionProvider");
@@ -657,7 +705,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     // the node; left out, the function runs on the GPU (GroupQueryAttention, MatMulNBits).
     if (session_options.GetConfigEntryOrDefault(kCpuOnlyOpsKey, "1") != "0") {
       for (OrtCustomOp* op : std::initializer_list<OrtCustomOp*>{&cpu_quantized_float, &cpu_quantized_half, &cpu_matmul_float,
-                                                                 &cpu_matmul_half, &cpu_attention, &cpu_window_starts}) {
+                                                                 &cpu_matmul_half, &cpu_attention, &cpu_window_starts,
+                                                                 &cpu_step_inputs}) {
         domain.Add(op);
       }
     }

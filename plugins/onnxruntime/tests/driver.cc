@@ -9,6 +9,7 @@
 //            (a separate buffer, or past's own: then only the new positions change);
 //   starts:  WindowStarts exact, but for starts whose float64 value lies within a hair of an
 //            integer (marked by the writer): those within one;
+//   steps:   StepInputs exact;
 // and every computation bit-identical with 1 thread and with 3 threads.
 // Prints one line per case and a summary; exit status 0 only when every case passes.
 //
@@ -376,6 +377,21 @@ Result CheckWindowStarts(const Case& c) {
               " off by one (" + std::to_string(near_count) + " near an integer), " + ThreadsText(identical)};
 }
 
+// attention_mask | position_ids seqlens_k attention_bias
+Result CheckStepInputs(const Case& c) {
+  const infmoe::StepSizes s{c.Size(0), c.Size(1), c.Size(2)};
+  const size_t positions = static_cast<size_t>(s.batch * s.sequence), bias = positions * static_cast<size_t>(s.total);
+  std::vector<int64_t> position_ids(positions, -1);
+  std::vector<int32_t> seqlens_k(static_cast<size_t>(s.batch), -1);
+  std::vector<float> attention_bias(bias, 1.0f);
+  infmoe::StepInputs(s, c.Get<int64_t>(0, s.batch * s.total), position_ids.data(), seqlens_k.data(), attention_bias.data());
+  const bool exact = std::memcmp(position_ids.data(), c.Get<int64_t>(1, positions), positions * sizeof(int64_t)) == 0 &&
+                     std::memcmp(seqlens_k.data(), c.Get<int32_t>(2, s.batch), seqlens_k.size() * sizeof(int32_t)) == 0 &&
+                     std::memcmp(attention_bias.data(), c.Get<float>(3, bias), bias * sizeof(float)) == 0;
+  return {exact, Shape({{"batch", s.batch}, {"sequence", s.sequence}, {"total", s.total}}),
+          exact ? "positions, seqlens_k and bias exact" : "WRONG"};
+}
+
 Result Check(const Case& c) {
   if (c.kind == "ffn") return CheckFfn(c);
   if (c.kind == "refuse") return CheckRefusal(c);
@@ -383,6 +399,7 @@ Result Check(const Case& c) {
   if (c.kind == "qmatmul") return c.Half(0) ? CheckQMatMul<uint16_t>(c) : CheckQMatMul<float>(c);
   if (c.kind == "attn") return CheckAttention(c);
   if (c.kind == "starts") return CheckWindowStarts(c);
+  if (c.kind == "steps") return CheckStepInputs(c);
   throw std::runtime_error(c.name + ": unknown kind '" + c.kind + "'");
 }
 

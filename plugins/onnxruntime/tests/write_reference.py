@@ -24,6 +24,8 @@ Kinds of case (the driver's tolerances are the Python tests'):
   starts   WindowStarts against `ort_target.window_starts_reference` (float64): eps shared and
            per token, K = 1 and K > 1, r = 1 and r = H, decode and prefill; starts whose float64
            value lies within a hair of an integer may differ by one (tests/test_ort_window_starts.py)
+  steps    StepInputs against `ort_target.step_inputs_reference`, exact: left-padded masks,
+           decode and prefill, masks of other values than 0 and 1 (tests/test_ort_step_inputs.py)
 
 Format (little-endian): b"INFMOE02", int64 case count; per case: 32-byte name, 8-byte kind, int64
 count and the kind's sizes (`SIZES` below), int64 count and the arrays in the order of `ARRAYS`,
@@ -39,7 +41,7 @@ import sys
 import numpy as np
 import torch
 
-from infmoe_export.export.ort_target import decoder_attention, window_starts_reference
+from infmoe_export.export.ort_target import decoder_attention, step_inputs_reference, window_starts_reference
 from infmoe_export.model import continuous_slice_ffn
 from infmoe_export.quant import QuantizedWeight, pack_blocks, q_continuous_slice_ffn, q_matmul, quantize
 
@@ -47,14 +49,15 @@ MAGIC = b"INFMOE02"
 # The driver reads these in this order (documentation; write() takes them as given).
 SIZES = {"ffn": "tokens d h k r", "refuse": "tokens d h k r bad_index", "qffn": "bits block tokens d h k r",
          "qmatmul": "bits block tokens k n", "attn": "batch sequence heads head_dim past total bias_rows shared qkv_bias",
-         "starts": "tokens d k h r eps_per_token"}
+         "starts": "tokens d k h r eps_per_token", "steps": "batch sequence total"}
 ARRAYS = {"ffn": "starts x w_in b_in w_out b_out | y y16 (fp16 inputs, computed in float32)",
           "refuse": "starts",
           "qffn": "starts x w_in_q w_in_scale b_in w_out_q w_out_scale b_out | y",
           "qmatmul": "a b scales | y",
           "attn": "qkv past_key past_value seqlens_k bias qkv_bias | y present_key present_value "
                   "(qkv_bias: read when the size says so; present: what the buffer must hold after the call)",
-          "starts": "x weight bias eps | starts near (1: may differ by one)"}
+          "starts": "x weight bias eps | starts near (1: may differ by one)",
+          "steps": "attention_mask | position_ids seqlens_k attention_bias"}
 
 
 def normal(rng, *shape, scale=1.0):
@@ -261,7 +264,30 @@ def window_starts_cases(rng):
         yield name, "starts", [tokens, d, k, h, r, int(per_token)], [*feeds, starts, near.astype(np.uint8)]
 
 
-KINDS = [ffn_cases, refusal_cases, qffn_cases, qmatmul_cases, attention_cases, window_starts_cases]
+# ---- StepInputs ------------------------------------------------------------------------------
+
+# name, batch, sequence, total, mask values: left-padded 0 / 1 masks (decode and prefill), and
+# masks of other values.
+STEP_INPUTS = [
+    ("steps_decode", 3, 1, 129, None),
+    ("steps_prefill", 2, 37, 37, None),
+    ("steps_past", 2, 5, 301, None),
+    ("steps_other_values", 2, 3, 40, (0, 1, 2, -3)),
+]
+
+
+def step_inputs_cases(rng):
+    for name, batch, sequence, total, values in STEP_INPUTS:
+        if values is None:
+            pads = rng.integers(0, total - sequence + 1, size=batch)
+            mask = (np.arange(total)[None, :] >= pads[:, None]).astype(np.int64)
+        else:
+            mask = rng.choice(np.array(values, np.int64), size=(batch, total))
+        positions, seqlens_k, _, bias = step_inputs_reference(np.zeros((batch, sequence)), mask)
+        yield name, "steps", [batch, sequence, total], [mask, positions, seqlens_k, bias]
+
+
+KINDS = [ffn_cases, refusal_cases, qffn_cases, qmatmul_cases, attention_cases, window_starts_cases, step_inputs_cases]
 
 
 def write(path: pathlib.Path, seed: int) -> int:
