@@ -1,13 +1,14 @@
 """Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN, infmoe::QMatMul,
-infmoe::DecoderAttention and infmoe::WindowStarts through onnxruntime, meant for the
-AddressSanitizer + UBSan build.
+infmoe::DecoderAttention, infmoe::WindowStarts and infmoe::StepInputs through onnxruntime, meant
+for the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
 windows: 30% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (caches
 of up to 300 positions, rows of different lengths, past absent; invalid: a dimension changed,
-seqlens_k out of range, total_sequence_length 0, a wrong element type), 10% WindowStarts (eps
+seqlens_k out of range, total_sequence_length 0, a wrong element type), 5% WindowStarts (eps
 shared or per token; invalid: a dimension changed, slice_width outside [1, H], a wrong element
-type); about a third are invalid (starts
+type), 5% StepInputs (masks of any int64 values; invalid: ranks, batches, a sequence longer than
+the mask); about a third are invalid (starts
 out of range, a mismatched or missing dimension, slice_width > H; for the quantized ops also bits
 and block sizes outside SPEC §6, and packed weights, scales or biases of the wrong element type;
 for QMatMul a K or N attribute that disagrees with the tensors). A valid case must match the
@@ -32,8 +33,8 @@ import torch
 from onnx import helper
 
 from infmoe_export.model import continuous_slice_ffn
-from infmoe_export.export.function import attention_model, op_model, qmatmul_model, window_starts_model
-from infmoe_export.export.ort_target import decoder_attention, window_starts_reference
+from infmoe_export.export.function import attention_model, op_model, qmatmul_model, step_inputs_model, window_starts_model
+from infmoe_export.export.ort_target import decoder_attention, step_inputs_reference, window_starts_reference
 from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
 from infmoe_export.runtimes import ort_kernel
 
@@ -286,6 +287,20 @@ def router_problem(feeds, h, r):
     return None
 
 
+def random_step_case(rng):
+    """(feeds, problem) of StepInputs."""
+    batch, total = int(rng.integers(0, 4)), int(rng.integers(0, 400))
+    sequence = int(rng.integers(0, total + 1)) if rng.random() < 0.9 else total + int(rng.integers(1, 4))
+    mask = rng.integers(0, 2, size=(batch, total)) if rng.random() < 0.7 else rng.integers(-2 ** 62, 2 ** 62, size=(batch, total))
+    feeds = {"input_ids": rng.integers(0, 256, size=(batch, sequence)), "attention_mask": mask.astype(np.int64)}
+    if rng.random() < 0.1:  # one input gets a dimension changed, dropped or added
+        name = str(rng.choice(list(feeds)))
+        feeds[name] = rng.integers(0, 2, size=changed_shape(rng, feeds[name].shape)).astype(np.int64)
+    ids, mask = feeds["input_ids"].shape, feeds["attention_mask"].shape
+    ok = len(ids) == 2 and len(mask) == 2 and mask[0] == ids[0] and mask[1] >= max(ids[1], 1)
+    return feeds, None if ok else "shape"
+
+
 def reference(feeds, r, bits, block):
     tensors = [torch.from_numpy(v) for v in feeds.values()]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
@@ -296,7 +311,7 @@ def reference(feeds, r, bits, block):
 
 def main():
     parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN, QMatMul, "
-                                                 "DecoderAttention and WindowStarts kernels.")
+                                                 "DecoderAttention, WindowStarts and StepInputs kernels.")
     parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -326,8 +341,12 @@ def main():
     for case in range(args.cases):
         roll = rng.random()
         kind = ("float" if roll < 0.3 else "quantized" if roll < 0.6 else "matmul" if roll < 0.75 else
-                "attention" if roll < 0.9 else "router")
-        if kind == "router":
+                "attention" if roll < 0.9 else "router" if roll < 0.95 else "steps")
+        if kind == "steps":
+            feeds, problem = random_step_case(rng)
+            dtype, key = np.int64, ("steps",)
+            make_model = step_inputs_model
+        elif kind == "router":
             feeds, h, r, problem = random_router_case(rng)
             dtype, key = np.float32, ("router", h, r)
             make_model = lambda: window_starts_model(h, r)  # noqa: E731
@@ -358,6 +377,10 @@ def main():
             continue
         if error is not None:
             findings.append(f"case {case}: valid ({label}) but raised: {error}")
+            continue
+        if kind == "steps":
+            if any(not np.array_equal(o, e) for o, e in zip(outputs, step_inputs_reference(**feeds))):
+                findings.append(f"case {case}: wrong step inputs ({label})")
             continue
         if kind == "router":
             expected, value = window_starts_reference(*feeds.values(), h, r)

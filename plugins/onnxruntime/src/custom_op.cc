@@ -185,7 +185,7 @@ void Describe(const Ort::ConstValue& value, ONNXTensorElementDataType& type, std
   const auto info = value.GetTensorTypeAndShapeInfo();
   type = info.GetElementType();
   shape.resize(info.GetDimensionsCount());
-  info.GetDimensions(shape.data(), shape.size());
+  Ort::ThrowOnError(Ort::GetApi().GetDimensions(info, shape.data(), shape.size()));  // GetShape() would allocate
 }
 
 // A kernel's constant initializer inputs (its weights), described once when the kernel is made:
