@@ -244,6 +244,8 @@ def test_shared_cache_bad_input(exports):
             cache.step(np.zeros((2, 3), np.int64))
         with pytest.raises(InfMoEError, match="do not fit the cache of n_positions = 32"):
             cache.step(np.zeros((1, 33), np.int64))
+        with pytest.raises(InfMoEError, match=r"attention_mask must be \[batch, cached \+ new tokens\] = \[1, 3\], got \[1, 4\]"):
+            cache.step(np.zeros((1, 3), np.int64), attention_mask=np.ones((1, 4), np.int64))
     with OrtRunner(exports["portable"].io, exports["portable"], kernel=False) as runner:
         with pytest.raises(InfMoEError, match="--target onnxruntime"):
             SharedCache(runner.sess, runner.io)

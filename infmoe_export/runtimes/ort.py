@@ -142,6 +142,9 @@ class SharedCache:
             raise InfMoEError(f"{total} tokens do not fit the cache of n_positions = {self.io.config.n_positions}")
         if attention_mask is None:
             attention_mask = np.ones((batch, total), np.int64)
+        elif np.shape(attention_mask) != (batch, total):
+            raise InfMoEError(f"attention_mask must be [batch, cached + new tokens] = [{batch}, {total}], "
+                              f"got {list(np.shape(attention_mask))}")
         for name, value in self.io.step_inputs(input_ids, attention_mask, expert_noise).items():
             self._binding.bind_cpu_input(name, value)  # the cache is bound already
         shape = (batch, sequence, self.io.config.vocab_size)
