@@ -135,6 +135,17 @@ def test_large_decode_matches_reference(library):
     assert relative_error(session(1536, threads=2).run(None, feeds)[0], reference(feeds, 1536)) <= 1e-5
 
 
+def test_decode_after_thousands_of_windows(library):
+    """Decode calls on one thread before and after a call of 3 tokens x 1500 windows (whose plan
+    the thread does not keep): each matches the reference."""
+    rng = np.random.default_rng()
+    calls = [make_feeds(rng, (1, 2), 37, 101, 5, 3), make_feeds(rng, (1, 3), 37, 101, 5, 1500),
+             make_feeds(rng, (1, 1), 37, 101, 5, 8)]
+    op = session(5, threads=2)
+    for feeds in calls:
+        assert relative_error(op.run(None, feeds)[0], reference(feeds, 5)) <= 1e-5
+
+
 @pytest.mark.parametrize("lead", [(1,), (2, 150)])
 def test_deterministic_across_runs_and_threads(library, lead):
     rng = np.random.default_rng(11)

@@ -95,6 +95,7 @@ constexpr int64_t kPrefetchRows = 2;       // decode, quantized rows on AVX-512:
 constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
 constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
+constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
 
 inline float ToFloat(float v) { return v; }
 inline float ToFloat(uint16_t v) { return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(v)); }
@@ -805,6 +806,8 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
       }
     }
   }
+  // A plan this large came from thousands of windows a token: not kept for the thread's next call.
+  if (windows.capacity() > kKeptPlan) std::vector<Range>().swap(windows), std::vector<Chunk>().swap(chunks);
 }
 
 // ---- prefill ------------------------------------------------------------------------------------
