@@ -208,6 +208,17 @@ def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
     return functions
 
 
+def _one_node_model(node, inputs, outputs, with_function: bool, contrib: bool = False):
+    """A model of one infmoe node (named after its op type); with_function attaches the op's
+    fallback functions (FUNCTIONS), contrib imports com.microsoft (their bodies' onnxruntime ops).
+    IR 10 is read by every onnxruntime this project supports (>= 1.20)."""
+    graph = helper.make_graph([node], node.op_type, inputs, outputs)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
+    opsets += [helper.make_opsetid("com.microsoft", 1)] if contrib else []
+    functions = [f.to_function_proto() for f in FUNCTIONS[node.op_type]] if with_function else []
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+
+
 def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False,
              bits: Optional[int] = None, block_size: int = DEFAULT_BLOCK_SIZE):
     """A one-node ONNX model of the op, every input of free shape (tests, fuzzing, benchmarks);
@@ -224,11 +235,7 @@ def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_t
     quantized = {} if bits is None else dict(bits=bits, block_size=block_size)
     node = helper.make_node(op_type, names, ["Y"], domain=DOMAIN, slice_width=slice_width, activation=activation,
                             plugin_namespace=DOMAIN, plugin_version=str(OP_VERSION), **quantized)
-    graph = helper.make_graph([node], "continuous_slice_ffn", inputs, [helper.make_tensor_value_info("Y", elem, None)])
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
-    functions = [f.to_function_proto() for f in FUNCTIONS[op_type]] if with_function else []
-    # IR 10 is read by every onnxruntime this project supports (>= 1.20).
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+    return _one_node_model(node, inputs, [helper.make_tensor_value_info("Y", elem, None)], with_function)
 
 
 def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "float32", with_function: bool = False):
@@ -239,10 +246,7 @@ def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "floa
               helper.make_tensor_value_info("scales", elem, None)]
     node = helper.make_node(QMATMUL_OP_TYPE, ["A", "B", "scales"], ["Y"], domain=DOMAIN, K=k, N=n, bits=bits,
                             block_size=block_size)
-    graph = helper.make_graph([node], "q_matmul", inputs, [helper.make_tensor_value_info("Y", elem, None)])
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
-    functions = [QMatMul.to_function_proto()] if with_function else []
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+    return _one_node_model(node, inputs, [helper.make_tensor_value_info("Y", elem, None)], with_function, contrib=True)
 
 
 def attention_model(num_heads: int, with_function: bool = False, past: bool = True, qkv_bias: bool = True):
@@ -258,10 +262,7 @@ def attention_model(num_heads: int, with_function: bool = False, past: bool = Tr
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present_key", "present_value")]
     node = helper.make_node(ATTENTION_OP_TYPE, [n if n in used else "" for n in names], [o.name for o in outputs],
                             domain=DOMAIN, num_heads=num_heads)
-    graph = helper.make_graph([node], "decoder_attention", inputs, outputs)
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION), helper.make_opsetid("com.microsoft", 1)]
-    functions = [DecoderAttention.to_function_proto()] if with_function else []
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+    return _one_node_model(node, inputs, outputs, with_function, contrib=True)
 
 
 def step_inputs_model(with_function: bool = False):
@@ -273,10 +274,7 @@ def step_inputs_model(with_function: bool = False):
         ("position_ids", TensorProto.INT64), ("seqlens_k", TensorProto.INT32),
         ("total_sequence_length", TensorProto.INT32), ("attention_bias", TensorProto.FLOAT))]
     node = helper.make_node(STEP_OP_TYPE, names, [o.name for o in outputs], domain=DOMAIN)
-    graph = helper.make_graph([node], "step_inputs", inputs, outputs)
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
-    functions = [StepInputs.to_function_proto()] if with_function else []
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+    return _one_node_model(node, inputs, outputs, with_function)
 
 
 def window_starts_model(ffn_hidden: int, slice_width: int, with_function: bool = False):
@@ -286,7 +284,5 @@ def window_starts_model(ffn_hidden: int, slice_width: int, with_function: bool =
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
     node = helper.make_node(ROUTER_OP_TYPE, names, ["starts"], domain=DOMAIN, ffn_hidden=ffn_hidden,
                             slice_width=slice_width)
-    graph = helper.make_graph([node], "window_starts", inputs, [helper.make_tensor_value_info("starts", TensorProto.INT64, None)])
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
-    functions = [WindowStarts.to_function_proto()] if with_function else []
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+    return _one_node_model(node, inputs, [helper.make_tensor_value_info("starts", TensorProto.INT64, None)],
+                           with_function)

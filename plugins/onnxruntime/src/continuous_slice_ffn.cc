@@ -1255,10 +1255,14 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
         const float *q = token(b, i) + h * dim, *keys = cache(present_key, b, h), *values = cache(present_value, b, h);
         float* out = y + (b * s.sequence + i) * s.heads * dim + h * dim;
         const int64_t n = seen(b, i);
-        const bool packed = WithPackedHead(dim, [&](auto m) { PackedScores<m>(q, keys, n, row); });
-        if (!packed) Scores(q, keys, dim, n, dim, row);
-        weigh(b, i, row);
-        if (!WithPackedHead(dim, [&](auto m) { PackedWeightedValues<m>(row, values, n, out); })) {
+        const bool packed = WithPackedHead(dim, [&](auto m) {
+          PackedScores<m>(q, keys, n, row);
+          weigh(b, i, row);
+          PackedWeightedValues<m>(row, values, n, out);
+        });
+        if (!packed) {
+          Scores(q, keys, dim, n, dim, row);
+          weigh(b, i, row);
           WeightedValues(row, values, dim, n, dim, out);
         }
       }
