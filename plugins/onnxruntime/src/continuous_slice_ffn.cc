@@ -165,7 +165,7 @@ inline Lanes<W> LoadLanes(const T* row, int64_t u, int64_t n) {
 // 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
 
 // How float rows stream at decode on Intel's cores: two runs of a chunk's rows a pass (two
-// streams) and a software prefetch. Measured on a Xeon (AVX-512, 2026-12-03/04, bench_qop's
+// streams, side by side: DotRows) and a software prefetch. Measured on a Xeon (AVX-512, 2026-12-03/04, bench_qop's
 // layer, K 1/2/8, 1 and 2 threads, libraries interleaved call by call): with one run, the fp32 op
 // 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as
 // 4 KB), the fp16 op 0.77-0.81x; two runs without the prefetch 0.90-0.93x the time of one (four
@@ -237,7 +237,6 @@ struct QuantRows {
   Row At(int64_t i) const { return {q + i * stride, scale + i * blocks}; }
   float Scale(Row row, int64_t b) const { return ToFloat(row.scale[b]); }
   int64_t RowBytes() const { return stride + blocks * static_cast<int64_t>(sizeof(T)); }
-  void Prefetch(Row, int64_t) const {}  // their loops are bound by the arithmetic
 
   // The signed q of the unit, exact as floats.
   Lanes<kWidth> Values(Row row, int64_t u, int64_t n) const {
@@ -329,25 +328,70 @@ void Merge(std::vector<Range>& windows, int64_t gap) {
 
 // ---- decode -------------------------------------------------------------------------------------
 
-// Row i . x. One row at a time, front to back: reading four rows side by side (four streams
-// 3 KB apart) streamed 2-10x slower from memory here. Four accumulator chains, unit u into chain
-// u mod 4, hide the FMA latency (float rows: one block, scale 1).
-template <typename T, bool kIntel>
-inline float Dot(const FloatRows<T, kIntel>& w, int64_t i, const Lanes<kNarrow>* x, int64_t full, int64_t tail) {
+// The decode loops take Rows rows a pass, rows i + r stride for r = 0 .. Rows - 1 (Rows streams,
+// each front to back through its own run of rows): dots[r stride] = row . x, and
+// out += h[r stride] * row for each in that order (kDecodeRows of the format: float rows on Intel
+// two, quantized rows one; rows adjacent rather than runs apart, four streams 3 KB apart, streamed
+// 2-10x slower from memory here).
+
+// Float rows (one block, scale 1): the Rows rows side by side unit by unit, so the streams
+// interleave at every load; each row has four accumulator chains (unit u into chain u mod 4, to
+// hide the FMA latency), and at each unit out takes the rows' products in row order: every sum
+// is bit for bit that of one whole row after another, which took 1.01-1.05x the time (Xeon,
+// fp32, two runs, K 1/2/8, 1 and 2 threads, 2026-12-04).
+template <int Rows, typename T, bool kIntel>
+inline void DotRows(const FloatRows<T, kIntel>& w, int64_t i, int64_t stride, const Lanes<kNarrow>* x, int64_t full,
+                    int64_t tail, float* dots) {
   constexpr int W = kNarrow;
-  const T* row = w.At(i);
-  auto term = [&](int64_t u, int64_t n) { return w.Values(row, u, n) * x[u]; };
-  // Four named chains, not an array indexed by u: GCC keeps an indexed array in memory.
-  Lanes<W> a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  const T* row[Rows];
+  // Indexed by constants only in the main loop (fully unrolled), so GCC keeps them in registers.
+  Lanes<W> acc[Rows][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+    row[r] = w.At(i + r * stride);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) acc[r][k] = Lanes<W>{};
+  }
   int64_t u = 0;
   for (; u + 4 <= full; u += 4) {
-    for (int k = 0; k < 4; ++k) w.Prefetch(row, u + k);
-    a0 += term(u, W), a1 += term(u + 1, W), a2 += term(u + 2, W), a3 += term(u + 3, W);
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) w.Prefetch(row[r], u + k);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) acc[r][k] += w.Values(row[r], u + k, W) * x[u + k];
+    }
   }
-  Lanes<W> acc[4] = {a0, a1, a2, a3};
-  for (; u < full; ++u) acc[u & 3] += term(u, W);
-  if (tail) acc[full & 3] += term(full, tail);
-  return SumLanes<W>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+    for (int64_t v = u; v < full; ++v) acc[r][v & 3] += w.Values(row[r], v, W) * x[v];
+    if (tail) acc[r][full & 3] += w.Values(row[r], full, tail) * x[full];
+    dots[r * stride] = SumLanes<W>((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
+  }
+}
+template <int Rows, typename T, bool kIntel>
+inline void AxpyRows(const FloatRows<T, kIntel>& w, int64_t i, int64_t stride, const float* h, int64_t full,
+                     int64_t tail, Lanes<kNarrow>* out) {
+  constexpr int W = kNarrow;
+  const T* row[Rows];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride);
+  int64_t u = 0;
+  for (; u + 4 <= full; u += 4) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      Lanes<W> o = out[u + k];
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) w.Prefetch(row[r], u + k), o += h[r * stride] * w.Values(row[r], u + k, W);
+      out[u + k] = o;
+    }
+  }
+  for (; u < full; ++u)
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) out[u] += h[r * stride] * w.Values(row[r], u, W);
+  if (tail)
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) out[full] += h[r * stride] * w.Values(row[r], full, tail);
 }
 
 // Quantized rows: q . x per block, then one FMA by the block's scale (instead of scaling x per
@@ -370,7 +414,7 @@ inline float Dot(const QuantRows<Bits, T>& w, int64_t i, const Lanes<kWide>* x, 
   return SumLanes<W>(even + odd);
 }
 
-// out += h * row i, h times the block's scale once per block.
+// Quantized rows: out += h * row i, h times the block's scale once per block.
 template <class Format>
 inline void Axpy(const Format& w, int64_t i, float h, int64_t full, int64_t tail, Lanes<Format::kWidth>* out) {
   constexpr int W = Format::kWidth;
@@ -378,18 +422,12 @@ inline void Axpy(const Format& w, int64_t i, float h, int64_t full, int64_t tail
   const int64_t per_block = int64_t{1} << w.block_shift;
   for (int64_t lo = 0, b = 0; lo < full; lo += per_block, ++b) {
     const float c = h * w.Scale(row, b);
-    for (int64_t u = lo; u < std::min(lo + per_block, full); ++u) {
-      w.Prefetch(row, u);
-      out[u] += c * w.Values(row, u, W);
-    }
+    for (int64_t u = lo; u < std::min(lo + per_block, full); ++u) out[u] += c * w.Values(row, u, W);
   }
   if (tail) out[full] += (h * w.Scale(row, full >> w.block_shift)) * w.Values(row, full, tail);
 }
 
-// The decode loops take Rows rows a pass, rows i + r stride for r = 0 .. Rows - 1 (Rows streams,
-// each front to back through its own run of rows): dots[r stride] = row . x, and
-// out += h[r stride] * row for each in that order. Through the natural layout: kDecodeRows of
-// the format (float rows two, quantized one).
+// Quantized rows through the natural layout: one row after another.
 template <int Rows, class Format>
 inline void DotRows(const Format& w, int64_t i, int64_t stride, const Lanes<Format::kWidth>* x, int64_t full,
                     int64_t tail, float* dots) {
