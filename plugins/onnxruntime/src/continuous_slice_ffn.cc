@@ -374,24 +374,26 @@ inline void AxpyRows(const FloatRows<T, kIntel>& w, int64_t i, int64_t stride, c
                      int64_t tail, Lanes<kNarrow>* out) {
   constexpr int W = kNarrow;
   const T* row[Rows];
+  // The factors in registers: read through h, each store to out would reload them (they might alias).
+  float c[Rows];
 #pragma GCC unroll 4
-  for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride);
+  for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride), c[r] = h[r * stride];
   int64_t u = 0;
   for (; u + 4 <= full; u += 4) {
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       Lanes<W> o = out[u + k];
 #pragma GCC unroll 4
-      for (int r = 0; r < Rows; ++r) w.Prefetch(row[r], u + k), o += h[r * stride] * w.Values(row[r], u + k, W);
+      for (int r = 0; r < Rows; ++r) w.Prefetch(row[r], u + k), o += c[r] * w.Values(row[r], u + k, W);
       out[u + k] = o;
     }
   }
   for (; u < full; ++u)
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) out[u] += h[r * stride] * w.Values(row[r], u, W);
+    for (int r = 0; r < Rows; ++r) out[u] += c[r] * w.Values(row[r], u, W);
   if (tail)
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) out[full] += h[r * stride] * w.Values(row[r], full, tail);
+    for (int r = 0; r < Rows; ++r) out[full] += c[r] * w.Values(row[r], full, tail);
 }
 
 // Quantized rows: q . x per block, then one FMA by the block's scale (instead of scaling x per
