@@ -165,14 +165,15 @@ inline Lanes<W> LoadLanes(const T* row, int64_t u, int64_t n) {
 // 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
 
 // How float rows stream at decode on Intel's cores: two runs of a chunk's rows a pass (two
-// streams, side by side: DotRows) and a software prefetch. Measured on a Xeon (AVX-512, 2026-12-03/04, bench_qop's
-// layer, K 1/2/8, 1 and 2 threads, libraries interleaved call by call): with one run, the fp32 op
-// 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as
-// 4 KB), the fp16 op 0.77-0.81x; two runs without the prefetch 0.90-0.93x the time of one (four
-// no better); two runs with the prefetch 3 KB ahead 0.88-0.94x the time of one run 4 KB ahead
-// (fp32 and fp16; 2 KB 0.90-0.94x, 4 KB 0.96-0.98x, 8 KB 1.0x, prefetcht0 as t1, prefetchnta 3x
-// slower). On Zen 4 prefetching 1-4 KB ahead made the one-run loops 1.02-1.2x slower and four runs
-// 1.14-1.22x; two runs were not measured there, so other CPUs keep one run and no prefetch.
+// streams, side by side: DotRows) and a software prefetch. Measured on a Xeon (AVX-512,
+// 2026-12-03/04, bench_qop's layer, K 1/2/8, 1 and 2 threads, libraries interleaved call by
+// call): with one run, the fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead
+// 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as 4 KB), the fp16 op 0.77-0.81x; two runs without the
+// prefetch 0.90-0.93x the time of one (four no better); two runs with the prefetch 3 KB ahead
+// 0.88-0.94x the time of one run 4 KB ahead (fp32 and fp16; 2 KB 0.90-0.94x, 4 KB 0.96-0.98x,
+// 8 KB 1.0x, prefetcht0 as t1, prefetchnta 3x slower). On Zen 4 prefetching 1-4 KB ahead made
+// the one-run loops 1.02-1.2x slower and four runs 1.14-1.22x; two runs were not measured there,
+// so other CPUs keep one run and no prefetch.
 // Chosen once per process; INFMOE_INTEL_STREAMS=1 or 0 forces either way (tests: both paths on
 // any CPU; the prefetch itself exists on x86-64 only).
 bool IntelStreams() {
