@@ -208,15 +208,18 @@ def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
     return functions
 
 
-def _one_node_model(node, inputs, outputs, with_function: bool, contrib: bool = False):
+def _one_node_model(node, inputs, outputs, with_function: bool):
     """A model of one infmoe node (named after its op type); with_function attaches the op's
-    fallback functions (FUNCTIONS), contrib imports com.microsoft (their bodies' onnxruntime ops).
+    fallback functions (FUNCTIONS) and imports the other domains their bodies use (com.microsoft).
     IR 10 is read by every onnxruntime this project supports (>= 1.20)."""
     graph = helper.make_graph([node], node.op_type, inputs, outputs)
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OP_VERSION)]
-    opsets += [helper.make_opsetid("com.microsoft", 1)] if contrib else []
     functions = [f.to_function_proto() for f in FUNCTIONS[node.op_type]] if with_function else []
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
+    opsets = {"": 18, DOMAIN: OP_VERSION}
+    for function in functions:
+        for imported in function.opset_import:
+            opsets.setdefault(imported.domain, imported.version)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+                             ir_version=10, functions=functions)
 
 
 def op_model(slice_width: int, dtype: str = "float32", activation: str = "gelu_tanh", with_function: bool = False,
@@ -246,7 +249,7 @@ def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "floa
               helper.make_tensor_value_info("scales", elem, None)]
     node = helper.make_node(QMATMUL_OP_TYPE, ["A", "B", "scales"], ["Y"], domain=DOMAIN, K=k, N=n, bits=bits,
                             block_size=block_size)
-    return _one_node_model(node, inputs, [helper.make_tensor_value_info("Y", elem, None)], with_function, contrib=True)
+    return _one_node_model(node, inputs, [helper.make_tensor_value_info("Y", elem, None)], with_function)
 
 
 def attention_model(num_heads: int, with_function: bool = False, past: bool = True, qkv_bias: bool = True):
@@ -262,7 +265,7 @@ def attention_model(num_heads: int, with_function: bool = False, past: bool = Tr
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present_key", "present_value")]
     node = helper.make_node(ATTENTION_OP_TYPE, [n if n in used else "" for n in names], [o.name for o in outputs],
                             domain=DOMAIN, num_heads=num_heads)
-    return _one_node_model(node, inputs, outputs, with_function, contrib=True)
+    return _one_node_model(node, inputs, outputs, with_function)
 
 
 def step_inputs_model(with_function: bool = False):

@@ -331,9 +331,9 @@ void Merge(std::vector<Range>& windows, int64_t gap) {
 
 // The decode loops take Rows rows a pass, rows i + r stride for r = 0 .. Rows - 1 (Rows streams,
 // each front to back through its own run of rows): dots[r stride] = row . x, and
-// out += h[r stride] * row for each in that order (kDecodeRows of the format: float rows on Intel
-// two, quantized rows one; rows adjacent rather than runs apart, four streams 3 KB apart, streamed
-// 2-10x slower from memory here).
+// out += h[r stride] * row for each in that order (DecodeLayout::kRows: float rows two on Intel,
+// one elsewhere; quantized rows four on AVX-512, PackedRows, one elsewhere; rows adjacent rather
+// than runs apart, four streams 3 KB apart, streamed 2-10x slower from memory here).
 
 // Float rows (one block, scale 1): the Rows rows side by side unit by unit, so the streams
 // interleave at every load; each row has four accumulator chains (unit u into chain u mod 4, to

@@ -578,6 +578,22 @@ struct WindowStartsCpuKernel : OneOutput {
 // [B, 1, S, T].
 constexpr int64_t kMaxBiasElements = int64_t{1} << 30;  // 4 GiB of attention_bias: refused beyond
 
+infmoe::StepSizes CheckStepInputs(const Inputs& in) {
+  const auto &ids = in.shapes[0], &mask = in.shapes[1];
+  if (ids.size() != 2) Fail("input_ids " + ShapeString(ids) + " must be [batch, sequence]");
+  if (mask.size() != 2 || mask[0] != ids[0] || mask[1] < std::max<int64_t>(ids[1], 1)) {
+    Fail("attention_mask " + ShapeString(mask) + " must be [batch, total] with input_ids " + ShapeString(ids) +
+         " (total >= max(sequence, 1))");
+  }
+  const infmoe::StepSizes s{ids[0], ids[1], mask[1]};
+  if (s.total > std::numeric_limits<int32_t>::max()) Fail("attention_mask's length must fit int32 (seqlens_k)");
+  if (s.sequence && s.batch * s.total > kMaxBiasElements / s.sequence) {
+    Fail("attention_bias [" + std::to_string(s.batch) + ", 1, " + std::to_string(s.sequence) + ", " +
+         std::to_string(s.total) + "] would hold more than 2^30 values");
+  }
+  return s;
+}
+
 struct StepInputsCpuKernel {
   static constexpr const char* kName = "StepInputs";
   static constexpr size_t kInputs = 2, kOutputs = 4;
@@ -595,18 +611,7 @@ struct StepInputsCpuKernel {
     return Guard(kName, [&] {
       Ort::KernelContext context(raw_context);
       const Inputs& inputs = Inputs::Read(context, constants);
-      const auto &ids = inputs.shapes[0], &mask = inputs.shapes[1];
-      if (ids.size() != 2) Fail("input_ids " + ShapeString(ids) + " must be [batch, sequence]");
-      if (mask.size() != 2 || mask[0] != ids[0] || mask[1] < std::max<int64_t>(ids[1], 1)) {
-        Fail("attention_mask " + ShapeString(mask) + " must be [batch, total] with input_ids " + ShapeString(ids) +
-             " (total >= max(sequence, 1))");
-      }
-      const infmoe::StepSizes s{ids[0], ids[1], mask[1]};
-      if (s.total > std::numeric_limits<int32_t>::max()) Fail("attention_mask's length must fit int32 (seqlens_k)");
-      if (s.sequence && s.batch * s.total > kMaxBiasElements / s.sequence) {
-        Fail("attention_bias [" + std::to_string(s.batch) + ", 1, " + std::to_string(s.sequence) + ", " +
-             std::to_string(s.total) + "] would hold more than 2^30 values");
-      }
+      const infmoe::StepSizes s = CheckStepInputs(inputs);
       const int64_t positions[] = {s.batch, s.sequence}, bias[] = {s.batch, 1, s.sequence, s.total}, one = 1;
       Ort::UnownedValue position_ids = context.GetOutput(0, positions, 2);
       Ort::UnownedValue seqlens_k = context.GetOutput(1, &s.batch, 1);
