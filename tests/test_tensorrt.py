@@ -342,12 +342,13 @@ def test_ptx_isa_of_each_cuda_release(cuda, isa):
 
 
 def test_ptx_version_is_the_drivers_capped_at_tritons_ptxas():
-    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
 
     assert trt_compile.ptx_version(90, driver=(12, 4)) == 84
-    bundled = triton.knobs.nvidia.ptxas_blackwell.version  # the ptxas Triton uses for sm_90 and newer
-    newest = trt_compile.ptx_isa_for_cuda(tuple(int(part) for part in bundled.split(".")[:2]))
-    assert trt_compile.ptx_version(90, driver=(19, 0)) == newest
+    for capability in (80, 90, 100):  # each capped at the ptxas Triton assembles that target with
+        bundled = get_ptxas(capability).version
+        newest = trt_compile.ptx_isa_for_cuda(tuple(int(part) for part in bundled.split(".")[:2]))
+        assert trt_compile.ptx_version(capability, driver=(19, 0)) == newest
     with pytest.raises(InfMoEError, match="update the NVIDIA driver"):
         trt_compile.ptx_isa_for_cuda((10, 2))
 

@@ -10,6 +10,9 @@
 #                                       (x86-64, when qemu-x86_64 exists) under
 #                                       qemu-x86_64 -cpu qemu64, a CPU without any AVX, where the
 #                                       dispatch must choose the baseline and nothing may trap
+#   cross_test.sh cuda [CASES.bin]      build for this machine with the CUDA kernel (needs nvcc) and
+#                                       run the driver once, the ffn cases also on the GPU (needs
+#                                       one); build-test-cuda/infmoe_cuda_bench then times its decode
 # Without CASES.bin, fresh random cases are written with $PYTHON (default: the repository's
 # .venv/bin/python). Headers: as for the library (ORT_INCLUDE_DIR / EIGEN_INCLUDE_DIR, else
 # third_party/ from fetch_deps.sh). Build folders: plugins/onnxruntime/build-test-<target>/.
@@ -19,12 +22,13 @@ repo=$(cd "$here/../.." && pwd)
 target=${1:-}
 data=${2:-}
 case "$target" in
-  aarch64 | native) ;;
-  *) echo "usage: cross_test.sh aarch64|native [CASES.bin]" >&2; exit 2 ;;
+  aarch64 | native | cuda) ;;
+  *) echo "usage: cross_test.sh aarch64|native|cuda [CASES.bin]" >&2; exit 2 ;;
 esac
 
 build="$here/build-test-$target"
-config=(-DCMAKE_BUILD_TYPE=Release -DINFMOE_TESTS=ON -DINFMOE_CUDA=OFF -DINFMOE_REQUIRE_KERNEL=ON)
+config=(-DCMAKE_BUILD_TYPE=Release -DINFMOE_TESTS=ON -DINFMOE_CUDA=$([ "$target" = cuda ] && echo ON || echo OFF)
+        -DINFMOE_REQUIRE_KERNEL=ON)
 if [ -n "${EIGEN_INCLUDE_DIR:-}" ]; then config+=(-DEIGEN_INCLUDE_DIR="$EIGEN_INCLUDE_DIR"); fi
 if [ "$target" = aarch64 ]; then
   for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
@@ -52,6 +56,8 @@ if [ "$target" = aarch64 ]; then
   readelf -h "$build/libinfmoe_ort.so" | grep -q 'AArch64' || { echo "cross_test: the library is not AArch64" >&2; exit 1; }
   echo "cross_test: libinfmoe_ort.so and the driver are AArch64 ELF; running under qemu-aarch64"
   qemu-aarch64 -L /usr/aarch64-linux-gnu "$build/infmoe_ffn_test" "$data" || status=1
+elif [ "$target" = cuda ]; then
+  "$build/infmoe_ffn_test" "$data" || status=1
 else
   ran=""
   for variant in avx512 avx2 baseline; do

@@ -1,7 +1,7 @@
-// CUDA kernels for infmoe::ContinuousSliceFFN: one pass for the hidden units, one for the output.
-// Both skip every unit no window of the token covers, so a token reads only its union of rows;
-// each output element is summed by one thread in row order, so results are deterministic.
-// Tokens are processed independently (memory bound, aimed at decode), not tiled for prefill.
+// CUDA kernels for infmoe::ContinuousSliceFFN: one pass for the hidden units, one for the output
+// (in chunks of rows, then a sum of the chunks). Both skip every unit no window of the token covers,
+// so a token reads only its union of rows; every sum has a fixed order, so results are
+// deterministic. Aimed at decode (memory bound); prefill re-reads the weights per token.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -55,6 +55,7 @@ __global__ void HiddenKernel(Sizes s, const T* x, const int64_t* starts, const T
       continue;
     }
     float sum = 0.0f;
+#pragma unroll 8
     for (int64_t j = lane; j < s.d; j += kWarp) sum += Load(x, t * s.d + j) * Load(w_in, i * s.d + j);
     for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
     if (lane == 0) {
@@ -64,26 +65,60 @@ __global__ void HiddenKernel(Sizes s, const T* x, const int64_t* starts, const T
   }
 }
 
-// y[t, j] = b_out[j] + sum_i hidden[t, i] * w_out[i, j]; one thread per (token, column).
+// Output rows are summed in chunks, so that one decode token spreads its w_out rows over enough
+// blocks to keep the memory busy (one block per column strip would leave almost every
+// multiprocessor idle). Many tokens supply the blocks themselves: one chunk, no partial sums.
+constexpr int64_t kChunkRows = 32;
+constexpr int64_t kMaxPartialRows = 256;  // chunks x tokens, so the partial sums stay small
+
+int64_t Chunks(const Sizes& s) {
+  const int64_t most = (s.h + kChunkRows - 1) / kChunkRows;
+  const int64_t fit = s.tokens < kMaxPartialRows ? kMaxPartialRows / s.tokens : 1;
+  return most < fit ? most : fit;
+}
+
+// sum_i hidden[t, i] * w_out[i, j] over the chunk's rows of the token's span; one thread per
+// (column, chunk, token). One chunk: y = b_out + sum; else the sum goes to partial[chunk, t, j].
+// Tokens stride over grid.z (at most 65535 blocks).
 template <typename T>
-__global__ void OutputKernel(Sizes s, const int64_t* starts, const float* hidden, const T* w_out,
-                             const T* b_out, T* y) {
+__global__ void OutputKernel(Sizes s, int64_t chunk_rows, const int64_t* starts, const float* hidden,
+                             const T* w_out, const T* b_out, T* y, float* partial) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kColumnsPerBlock + threadIdx.x;
   if (j >= s.d) return;
-  for (int64_t t = blockIdx.y; t < s.tokens; t += gridDim.y) {
+  const int64_t chunk = blockIdx.y;
+  for (int64_t t = blockIdx.z; t < s.tokens; t += gridDim.z) {
     const int64_t* own = starts + t * s.k;
     int64_t lo = own[0], hi = own[0] + s.r;
     for (int64_t w = 1; w < s.k; ++w) {
       lo = min(lo, own[w]);
       hi = max(hi, own[w] + s.r);
     }
-    float sum = Load(b_out, j);
-    for (int64_t i = lo; i < hi; ++i) {
+    const int64_t begin = max(lo, chunk * chunk_rows), end = min(hi, (chunk + 1) * chunk_rows);
+    float sum = 0.0f;
+#pragma unroll 8
+    for (int64_t i = begin; i < end; ++i) {
       const float h = hidden[t * s.h + i];
       if (h != 0.0f) sum += h * Load(w_out, i * s.d + j);  // uncovered units are exactly 0
     }
-    Store(y, t * s.d + j, sum);
+    if (gridDim.y == 1) {
+      Store(y, t * s.d + j, Load(b_out, j) + sum);
+    } else {
+      partial[(chunk * s.tokens + t) * s.d + j] = sum;
+    }
   }
+}
+
+// y[t, j] = b_out[j] + the chunks' partial sums; one warp per (token, column): lane l adds
+// chunks l, l + 32, ... in order, then the lanes' sums meet in a fixed tree (deterministic).
+template <typename T>
+__global__ void SumChunksKernel(Sizes s, int64_t chunks, const float* partial, const T* b_out, T* y) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (e >= s.tokens * s.d) return;  // whole warps
+  float sum = 0.0f;
+  for (int64_t c = lane; c < chunks; c += kWarp) sum += partial[c * s.tokens * s.d + e];
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+  if (lane == 0) Store(y, e, Load(b_out, e % s.d) + sum);
 }
 
 }  // namespace
@@ -99,16 +134,24 @@ void ContinuousSliceFFN(const Sizes& s, const T* x, const int64_t* starts, const
                         const T* b_in, const T* w_out, const T* b_out, T* y, void* stream) {
   if (s.tokens == 0 || s.d == 0) return;
   auto cuda_stream = static_cast<cudaStream_t>(stream);
+  const int64_t chunks = Chunks(s);
+  const int64_t hidden_count = s.tokens * s.h, partial_count = chunks > 1 ? chunks * s.tokens * s.d : 0;
   float* hidden = nullptr;
-  Check(cudaMallocAsync(reinterpret_cast<void**>(&hidden), s.tokens * s.h * sizeof(float), cuda_stream),
+  Check(cudaMallocAsync(reinterpret_cast<void**>(&hidden), (hidden_count + partial_count) * sizeof(float), cuda_stream),
         "allocation");
+  float* partial = hidden + hidden_count;
   const unsigned grid_tokens = static_cast<unsigned>(s.tokens < 65535 ? s.tokens : 65535);
-  const dim3 hidden_grid(static_cast<unsigned>((s.h + kWarpsPerBlock - 1) / kWarpsPerBlock),
-                         grid_tokens);
+  const dim3 hidden_grid(static_cast<unsigned>((s.h + kWarpsPerBlock - 1) / kWarpsPerBlock), grid_tokens);
   HiddenKernel<T><<<hidden_grid, kWarpsPerBlock * kWarp, 0, cuda_stream>>>(s, x, starts, w_in, b_in, hidden);
   const dim3 output_grid(static_cast<unsigned>((s.d + kColumnsPerBlock - 1) / kColumnsPerBlock),
-                         grid_tokens);
-  OutputKernel<T><<<output_grid, kColumnsPerBlock, 0, cuda_stream>>>(s, starts, hidden, w_out, b_out, y);
+                         static_cast<unsigned>(chunks), grid_tokens);
+  const int64_t chunk_rows = (s.h + chunks - 1) / chunks;
+  OutputKernel<T><<<output_grid, kColumnsPerBlock, 0, cuda_stream>>>(s, chunk_rows, starts, hidden, w_out, b_out, y,
+                                                                     partial);
+  if (chunks > 1) {
+    const auto sum_blocks = static_cast<unsigned>((s.tokens * s.d + kWarpsPerBlock - 1) / kWarpsPerBlock);
+    SumChunksKernel<T><<<sum_blocks, kWarpsPerBlock * kWarp, 0, cuda_stream>>>(s, chunks, partial, b_out, y);
+  }
   Check(cudaGetLastError(), "kernel launch");
   Check(cudaFreeAsync(hidden, cuda_stream), "free");
 }

@@ -10,7 +10,9 @@
 //   starts:  WindowStarts exact, but for starts whose float64 value lies within a hair of an
 //            integer (marked by the writer): those within one;
 //   steps:   StepInputs exact;
-// and every computation bit-identical with 1 thread and with 3 threads.
+// and every computation bit-identical with 1 thread and with 3 threads. Built with the CUDA
+// kernel (cross_test.sh cuda), ffn cases also run the CUDA computation on the GPU, within the same
+// tolerances and bit-identical across two runs; no CUDA device is then a failure.
 // Prints one line per case and a summary; exit status 0 only when every case passes.
 //
 //   infmoe_ffn_test CASES.bin       (INFMOE_CPU_VARIANT=baseline|avx2|avx512 picks a narrower variant)
@@ -30,6 +32,11 @@
 #include <vector>
 
 #include "continuous_slice_ffn.h"
+#ifdef INFMOE_DRIVER_CUDA
+#include <cuda_runtime.h>
+
+#include "continuous_slice_ffn_cuda.h"
+#endif
 
 namespace {
 
@@ -214,6 +221,43 @@ std::vector<T> Ffn(const infmoe::Sizes& s, const std::vector<std::vector<T>>& in
   }, identical);
 }
 
+#ifdef INFMOE_DRIVER_CUDA
+void CudaCheck(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string("CUDA ") + what + ": " + cudaGetErrorString(status));
+}
+
+// A host array's copy in device memory.
+template <typename T>
+struct DeviceArray {
+  T* data = nullptr;
+  explicit DeviceArray(const std::vector<T>& host) {
+    CudaCheck(cudaMalloc(reinterpret_cast<void**>(&data), std::max<size_t>(1, host.size()) * sizeof(T)), "malloc");
+    CudaCheck(cudaMemcpy(data, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "copy to device");
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  ~DeviceArray() { cudaFree(data); }
+};
+
+// The CUDA computation on the same inputs, on the default stream, run twice: the first run's
+// outputs, and whether the second's are bit-identical.
+template <typename T>
+std::vector<T> CudaFfn(const infmoe::Sizes& s, const std::vector<std::vector<T>>& in, const int64_t* starts,
+                       bool* identical) {
+  const DeviceArray<int64_t> d_starts(std::vector<int64_t>(starts, starts + s.tokens * s.k));
+  const DeviceArray<T> x(in[0]), w_in(in[1]), b_in(in[2]), w_out(in[3]), b_out(in[4]);
+  std::vector<T> runs[2];
+  for (auto& y : runs) {
+    y = Filled<T>(static_cast<size_t>(s.tokens * s.d));
+    const DeviceArray<T> d_y(y);
+    infmoe::cuda::ContinuousSliceFFN<T>(s, x.data, d_starts.data, w_in.data, b_in.data, w_out.data, b_out.data,
+                                        d_y.data, nullptr);
+    CudaCheck(cudaMemcpy(y.data(), d_y.data, y.size() * sizeof(T), cudaMemcpyDeviceToHost), "copy to host");
+  }
+  *identical = runs[0] == runs[1];
+  return runs[0];
+}
+#endif
+
 // starts x w_in b_in w_out b_out | y y16
 Result CheckFfn(const Case& c) {
   const infmoe::Sizes s = FfnSizes(c);
@@ -235,8 +279,19 @@ Result CheckFfn(const Case& c) {
   const size_t n = y.size();
   const double err = RelativeError(Doubles(y.data(), n), Doubles(c, 6, s.tokens * s.d));
   const double err16 = RelativeError(Doubles(y16.data(), n), Doubles(c, 7, s.tokens * s.d));
-  return {err <= 1e-5 && err16 <= 2e-3 && identical && identical16, FfnShape(s),
-          Format("fp32 err %.1e, fp16 err %.1e, ", err, err16) + ThreadsText(identical && identical16)};
+  Result result{err <= 1e-5 && err16 <= 2e-3 && identical && identical16, FfnShape(s),
+                Format("fp32 err %.1e, fp16 err %.1e, ", err, err16) + ThreadsText(identical && identical16)};
+#ifdef INFMOE_DRIVER_CUDA
+  bool cuda_identical, cuda_identical16;
+  const auto cuda_y = CudaFfn(s, in, starts, &cuda_identical);
+  const auto cuda_y16 = CudaFfn(s, in16, starts, &cuda_identical16);
+  const double cuda_err = RelativeError(Doubles(cuda_y.data(), n), Doubles(c, 6, s.tokens * s.d));
+  const double cuda_err16 = RelativeError(Doubles(cuda_y16.data(), n), Doubles(c, 7, s.tokens * s.d));
+  result.ok = result.ok && cuda_err <= 1e-5 && cuda_err16 <= 2e-3 && cuda_identical && cuda_identical16;
+  result.detail += Format("; CUDA fp32 err %.1e, fp16 err %.1e, ", cuda_err, cuda_err16) +
+                   (cuda_identical && cuda_identical16 ? "2 runs identical" : "2 runs DIFFER");
+#endif
+  return result;
 }
 
 // starts; sizes end with the first bad index
@@ -418,6 +473,14 @@ int main(int argc, char** argv) {
     if (std::memcmp(magic, "INFMOE02", 8) != 0) throw std::runtime_error("not a reference file (bad magic)");
     const int64_t cases = in.Int();
     std::printf("driver: %lld cases, CPU variant %s\n", static_cast<long long>(cases), infmoe::CpuVariant());
+#ifdef INFMOE_DRIVER_CUDA
+    int devices = 0;
+    CudaCheck(cudaGetDeviceCount(&devices), "device count");  // none: an error (built to test the GPU)
+    cudaDeviceProp device;
+    CudaCheck(cudaGetDeviceProperties(&device, 0), "device properties");
+    std::printf("driver: ffn cases also on CUDA device 0, %s (capability %d.%d)\n", device.name, device.major,
+                device.minor);
+#endif
     for (int64_t i = 0; i < cases; ++i, ++count) {
       const Case c = in.Next();
       const Result result = Check(c);

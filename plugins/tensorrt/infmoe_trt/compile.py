@@ -60,12 +60,14 @@ def ptx_version(capability: int, driver: Optional[Tuple[int, int]] = None) -> Op
     """The PTX ISA version to write for this driver (default: the installed one's), capped at
     the version of the ptxas Triton uses for `capability`; None where no driver answers (then
     Triton's default stands)."""
-    import triton
+    # Triton's own choice of ptxas: which bundled one serves which target differs between
+    # releases (sm_90 took the older ptxas up to Triton 3.7, the newer one from 3.9).
+    from triton.backends.nvidia.compiler import get_ptxas
 
     driver = driver or cuda_driver.driver_cuda_version()
     if driver is None:
         return None
-    tool = triton.knobs.nvidia.ptxas if capability < 90 else triton.knobs.nvidia.ptxas_blackwell
+    tool = get_ptxas(capability)
     wanted = ptx_isa_for_cuda(driver)
     if tool is None:
         return wanted
