@@ -227,14 +227,19 @@ def _check_launch(op: str, x, tensors) -> None:
                           "(or TRITON_INTERPRET=1 to run it in Triton's CPU interpreter)")
 
 
+def _valid_stand_in(starts: torch.Tensor) -> torch.Tensor:
+    """starts' shape and dtype with every start 0 (valid), on the host: the other rules still see
+    them, and nothing waits for the device (so such a launch can be captured in a CUDA graph)."""
+    return torch.zeros(starts.shape, dtype=starts.dtype)
+
+
 def check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width: int, activation: str = "gelu_tanh",
                  *, check_starts: bool = True) -> Tuple[int, int, int]:
     """The op's validation rules (model.check_op_inputs, docs/spec.md) plus the kernel's own
     limits (float32/float16, one device, CUDA or the interpreter); returns (H, D, K). Raises
     InfMoEError naming the problem. check_starts=False skips only the start range, leaving it to
     the device kernel (NaN rows), as inside a TensorRT engine; for tests of that path."""
-    # Without the start check: the same rules with every start replaced by a valid one (0).
-    H, D, K = check_op_inputs(x, starts if check_starts else torch.zeros_like(starts), w_in, b_in, w_out, b_out,
+    H, D, K = check_op_inputs(x, starts if check_starts else _valid_stand_in(starts), w_in, b_in, w_out, b_out,
                               slice_width, activation)
     _check_launch("ContinuousSliceFFN", x, (x, starts, w_in, b_in, w_out, b_out))
     return H, D, K
@@ -248,7 +253,7 @@ def check_q_inputs(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_
     H, D, _ = check_q_op_inputs(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out, slice_width,
                                 bits, block_size, activation)
     dequantized = torch.empty((H, D), dtype=x.dtype, device="meta")  # shape and dtype only, never allocated
-    _, _, K = check_op_inputs(x, starts if check_starts else torch.zeros_like(starts), dequantized, b_in,
+    _, _, K = check_op_inputs(x, starts if check_starts else _valid_stand_in(starts), dequantized, b_in,
                               dequantized, b_out, slice_width, activation)
     _check_launch(Q_OP_TYPE, x, (x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out))
     return H, D, K
