@@ -52,7 +52,7 @@ from infmoe_export.quant import Q_OP_TYPE, check_q_op_inputs
 
 # Fixed launch configuration of the COLUMNS mode (the one baked into TensorRT engines).
 COLUMNS_BLOCK_R, COLUMNS_BLOCK_D, NUM_WARPS = 32, 64, 4
-SPLIT_BLOCK_R, SPLIT_BLOCK_D = 8, 256  # untuned: no GPU was lent (see docs/tensorrt.md)
+SPLIT_BLOCK_R, SPLIT_BLOCK_D = 8, 256  # untuned: timed once on an H200, not yet tuned (docs/tensorrt.md)
 # The GELU constants of model.py, as compile-time constants (a jit function reads only constexpr globals).
 _GELU_C = tl.constexpr(GELU_TANH_C)
 _GELU_CUBIC = tl.constexpr(GELU_TANH_CUBIC)
