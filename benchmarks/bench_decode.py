@@ -51,6 +51,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort beside this file, however it is loaded
+import arguments  # noqa: E402
 from bench_ort import SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import DOMAIN  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
@@ -241,15 +242,15 @@ def verdicts(result) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", default="1,2,8", help="expert budgets, comma-separated ('' for the fixed cost only)")
-    parser.add_argument("--threads", default="2,1", help="intra-op thread counts, comma-separated")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration")
-    parser.add_argument("--steps", type=int, default=10, help="decode steps per sample")
+    parser.add_argument("--k", type=arguments.counts(1, arguments.MAX_K, empty=True), default="1,2,8",
+                        help="expert budgets, comma-separated ('' for the fixed cost only)")
+    parser.add_argument("--threads", type=arguments.threads, default="2,1", help="intra-op thread counts, comma-separated")
+    parser.add_argument("--rounds", type=arguments.count(), default=5, help="interleaved rounds per configuration")
+    parser.add_argument("--steps", type=arguments.count(), default=10, help="decode steps per sample")
     parser.add_argument("--json", default="runs/bench_decode.json", help="where to write the results")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # each row as it is measured, into a pipe or file too
-    ks = [int(k) for k in args.k.split(",") if k]
-    threads_list = [int(t) for t in args.threads.split(",")]
+    ks, threads_list = args.k, args.threads
     if custom_op_library() is None:
         sys.exit("bench_decode: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
     torch.manual_seed(0)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort beside this file
+import arguments  # noqa: E402
 from bench_ort import SMALL  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
 from infmoe_export.model import InfMoEGPT  # noqa: E402
@@ -26,8 +27,8 @@ KS = (1, 8)
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=100, help="most rounds per run")
+    parser.add_argument("--runs", type=arguments.count(), default=3)
+    parser.add_argument("--iters", type=arguments.count(), default=100, help="most rounds per run")
     parser.add_argument("--budget", type=float, default=15.0, help="seconds of rounds per run and configuration")
     args = parser.parse_args()
     model = InfMoEGPT(SMALL)

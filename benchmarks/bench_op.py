@@ -26,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+import arguments
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts
 from infmoe_export.export.function import op_model
 from infmoe_export.files import write_json
@@ -87,9 +88,10 @@ def timed(calls: dict, layers: int, repeats: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads (onnxruntime and torch)")
-    parser.add_argument("--repeats", type=int, default=48, help="decode calls per measurement")
-    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=arguments.thread_count, default=2,
+                        help="intra-op threads (onnxruntime and torch)")
+    parser.add_argument("--repeats", type=arguments.count(), default=48, help="decode calls per measurement")
+    parser.add_argument("--prefill-tokens", type=arguments.count(1, 1 << 16), default=512)
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     args = parser.parse_args()
 

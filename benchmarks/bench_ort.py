@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import arguments
 from infmoe_export.export import export_onnx
 from infmoe_export.files import write_json
 from infmoe_export.model import InfMoEConfig, InfMoEGPT, coverage
@@ -82,12 +83,13 @@ def timings(runner_backend, model, torch_model, warmup, iters):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", default="1,2,4,8", help="expert budgets, comma-separated")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10, help="timed decode steps (prefill: a quarter, at least 3)")
+    parser.add_argument("--k", type=arguments.ks, default="1,2,4,8", help="expert budgets, comma-separated")
+    parser.add_argument("--warmup", type=arguments.count(0), default=3)
+    parser.add_argument("--iters", type=arguments.count(), default=10,
+                        help="timed decode steps (prefill: a quarter, at least 3)")
     parser.add_argument("--json", default="runs/bench_ort.json", help="where to write the results")
     args = parser.parse_args()
-    ks = [int(k) for k in args.k.split(",")]
+    ks = args.k
     torch.manual_seed(0)
     if unavailable("ort", None):
         sys.exit("bench_ort: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")

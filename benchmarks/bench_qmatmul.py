@@ -28,6 +28,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+import arguments
 from bench_qop import interleaved, median_ratio, session
 from infmoe_export.export.function import qmatmul_model
 from infmoe_export.files import write_json
@@ -86,9 +87,10 @@ def runners(rng, n: int, bits: int, threads: int):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=100, help="decode calls per runner (a fifth for the LM head)")
-    parser.add_argument("--prefill-rounds", type=int, default=3)
-    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=arguments.count(), default=100,
+                        help="decode calls per runner (a fifth for the LM head)")
+    parser.add_argument("--prefill-rounds", type=arguments.count(), default=3)
+    parser.add_argument("--threads", type=arguments.threads, default="1,2")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -100,7 +102,7 @@ def main():
           f"{'QMatMul':>7} {'NBits':>6} {'a8':>6} {'fp32':>6} GB/s | {'vs NBits':>8} {'vs a8':>6} {'/fp32 GB/s':>10}")
     for name, n in MATRICES.items():
         for bits in (4, 8):
-            for threads in [int(t) for t in args.threads.split(",")]:
+            for threads in args.threads:
                 sessions, size = runners(rng, n, bits, threads)
 
                 def call(runner, inputs):

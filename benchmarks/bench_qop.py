@@ -44,6 +44,7 @@ import onnxruntime.capi._pybind_state as ort_state
 import torch
 from onnx import TensorProto, helper
 
+import arguments
 from bench_op import D, H, LAYERS, R, make_starts, union_rows
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, n_blocks, packed_columns
@@ -152,7 +153,7 @@ def per_thread_count(args, thread_counts):
         for threads in thread_counts:
             out = pathlib.Path(tmp) / f"{threads}.json"
             subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--prefill-rounds",
-                            str(args.prefill_rounds), "--prefill-tokens", str(args.prefill_tokens), "--k", args.k,
+                            str(args.prefill_rounds), "--prefill-tokens", str(args.prefill_tokens), "--k", ",".join(map(str, args.k)),
                             "--threads", str(threads), "--json", str(out), "--child"], check=True)
             results = json.loads(out.read_text())
             if merged is None:
@@ -165,16 +166,16 @@ def per_thread_count(args, thread_counts):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=200, help="decode calls per runner")
-    parser.add_argument("--prefill-rounds", type=int, default=5)
-    parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--k", default="1,2,8")
+    parser.add_argument("--rounds", type=arguments.count(), default=200, help="decode calls per runner")
+    parser.add_argument("--prefill-rounds", type=arguments.count(0), default=5, help="0: no prefill")
+    parser.add_argument("--prefill-tokens", type=arguments.count(1, 1 << 16), default=512)
+    parser.add_argument("--threads", type=arguments.threads, default="1,2")
+    parser.add_argument("--k", type=arguments.ks, default="1,2,8")
     parser.add_argument("--pool", choices=("shared", "session"), default="shared")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # per_thread_count's run
     args = parser.parse_args()
-    thread_counts = [int(t) for t in args.threads.split(",")]
+    thread_counts = args.threads
     if args.pool == "shared" and len(thread_counts) > 1:
         results = per_thread_count(args, thread_counts)
         print_targets(results)
@@ -206,7 +207,7 @@ def main():
         print(f"{'K':>2} {'rows':>5} | {'fp32 us':>8} {'int8 us':>8} {'int4 us':>8} {'MatMul us':>9} {'call us':>7} | "
               f"{'fp32 GB/s':>9} {'int8':>6} {'int4':>6} {'MatMul':>6} | {'fp32/MM':>7} {'int8/MM':>7} "
               f"{'int4/MM':>7} | {'int4 x':>6} {'int8 x':>6} | {'raw int4 x':>6} {'int8 x':>6}")
-        for k in [int(k) for k in args.k.split(",")]:
+        for k in args.k:
             starts = make_starts(1, k, rng).reshape(1, 1, k)
             rows = union_rows(starts.reshape(1, k))
             x, s = (ort.OrtValue.ortvalue_from_numpy(v) for v in (rng.standard_normal((1, 1, D)).astype(np.float32), starts))
@@ -249,10 +250,12 @@ def main():
         print(f"fixed cost per node: tiny op {fixed['tiny_us']:.1f} us, Identity with the same inputs "
               f"{fixed['identity_us']:.1f} us, paired difference {fixed['per_node_us']:.1f} us")
 
+        if not args.prefill_rounds:
+            continue
         n = args.prefill_tokens
         print(f"\n{threads} thread(s): prefill, {n} tokens, median of {args.prefill_rounds}; quantized time / fp32 time")
         print(f"{'K':>2} | {'fp32 ms':>8} {'int8 ms':>8} {'int4 ms':>8} | {'int8/fp32':>9} {'int4/fp32':>9}")
-        for k in [int(k) for k in args.k.split(",")]:
+        for k in args.k:
             x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, n, D)).astype(np.float32))
             s = ort.OrtValue.ortvalue_from_numpy(make_starts(n, k, rng).reshape(1, n, k))
 

@@ -45,6 +45,7 @@ import torch
 from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort and bench_decode beside this file
+import arguments  # noqa: E402
 from bench_decode import Decoder, MatMulBandwidth, settle  # noqa: E402
 from bench_ort import BLOCK, MEDIUM_DENSE, SMALL, decode_bytes  # noqa: E402
 from infmoe_export.contract import ExportedModel  # noqa: E402
@@ -163,16 +164,16 @@ def memory_rows(model: InfMoEGPT, scratch: Path, k: int, threads: int, exported:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", default="1,2,8", help="expert budgets, comma-separated")
-    parser.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved decode rounds per K")
-    parser.add_argument("--steps", type=int, default=5, help="decode steps per sample (their median)")
-    parser.add_argument("--prefill-rounds", type=int, default=2, help="interleaved prefill rounds per K")
+    parser.add_argument("--k", type=arguments.ks, default="1,2,8", help="expert budgets, comma-separated")
+    parser.add_argument("--threads", type=arguments.thread_count, default=2, help="onnxruntime intra-op threads")
+    parser.add_argument("--rounds", type=arguments.count(), default=5, help="interleaved decode rounds per K")
+    parser.add_argument("--steps", type=arguments.count(), default=5, help="decode steps per sample (their median)")
+    parser.add_argument("--prefill-rounds", type=arguments.count(), default=2, help="interleaved prefill rounds per K")
     parser.add_argument("--memory", action="store_true",
                         help="also file size and peak RSS per precision and target, at the first K")
     parser.add_argument("--json", default="runs/bench_quant_model.json", help="where to write the results")
     args = parser.parse_args()
-    ks = [int(k) for k in args.k.split(",")]
+    ks = args.k
     if custom_op_library() is None:
         sys.exit("bench_quant_model: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
     torch.manual_seed(0)

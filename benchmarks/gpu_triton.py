@@ -34,14 +34,17 @@ import os
 import sys
 import time
 
+import arguments
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="run in Triton's CPU interpreter (smoke test)")
     parser.add_argument("--tiny", action="store_true", help="a tiny layer instead of GPT-2 Small")
-    parser.add_argument("--ks", default="1,2,4,8")
+    parser.add_argument("--ks", type=arguments.ks, default="1,2,4,8")
     parser.add_argument("--weights", default="float,int8,int4", help="expert weights: float, int8, int4")
-    parser.add_argument("--block-size", type=int, default=32, help="quantization block size (SPEC §6)")
+    parser.add_argument("--block-size", type=arguments.count(1, 1 << 16), default=32,
+                        help="quantization block size (SPEC §6)")
     return parser.parse_args()
 
 
@@ -52,7 +55,8 @@ if args.interpret:
 import torch  # noqa: E402
 
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts  # noqa: E402
-from infmoe_export.quant import BITS, QuantizedWeight, n_blocks, packed_columns  # noqa: E402
+from infmoe_export.errors import InfMoEError  # noqa: E402
+from infmoe_export.quant import BITS, QuantizedWeight, check_block_size, n_blocks, packed_columns  # noqa: E402
 from infmoe_trt import kernel  # noqa: E402
 
 device = "cpu" if args.interpret else "cuda"
@@ -61,11 +65,15 @@ if not args.interpret and not torch.cuda.is_available():
           "use --interpret --tiny for a CPU smoke test of its logic)", file=sys.stderr)
     sys.exit(2)
 D, H, R = (24, 96, 24) if args.tiny else (768, 6144, 1536)
-KS = [int(k) for k in args.ks.split(",")]
+KS = args.ks
 WEIGHTS = args.weights.split(",")
 if set(WEIGHTS) - {"float", *BITS}:
     sys.exit(f"gpu_triton: --weights takes float, int8, int4, got {args.weights!r}")
 B = args.block_size
+try:
+    check_block_size(B)
+except InfMoEError as error:
+    sys.exit(f"gpu_triton: --block-size: {error}")
 
 
 def bench_ms(fn) -> float:

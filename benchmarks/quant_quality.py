@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import arguments
 from infmoe_export.checkpoint import load_checkpoint
 from infmoe_export.contract import DecoderIO
 from infmoe_export.export import export_onnx
@@ -27,14 +28,14 @@ SETTINGS = [("int8", "none"), ("int4", "none"), ("int4", "int4")]
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", default="1,2,4,8")
-    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--k", type=arguments.ks, default="1,2,4,8")
+    parser.add_argument("--windows", type=arguments.count(), default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model = load_checkpoint(None)
     rows = []
     for noise in ("quantile", "sampled"):
-        for k in map(int, args.k.split(",")):
+        for k in args.k:
             for dtype, other in SETTINGS:
                 io = DecoderIO(model.config, k, noise, with_starts=True, dtype=dtype, quantize_other=other)
                 row = quality_vs_float(model, TorchRunner(io, model), max_windows=args.windows)
