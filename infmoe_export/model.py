@@ -203,9 +203,11 @@ def check_op_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation
     K = starts.shape[-1]
     if K < 1:
         refuse(f"starts must hold K >= 1 windows per token, got shape {_shape(starts)}")
-    # 5. every start in [0, H - r]
-    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > H - slice_width):
-        refuse(f"starts must lie in [0, {H - slice_width}], got values in [{int(starts.min())}, {int(starts.max())}]")
+    # 5. every start in [0, H - r] (both ends in one transfer: one wait for a GPU, not two)
+    if starts.numel():
+        low, high = (int(v) for v in torch.stack((starts.min(), starts.max())).tolist())
+        if low < 0 or high > H - slice_width:
+            refuse(f"starts must lie in [0, {H - slice_width}], got values in [{low}, {high}]")
     # 6. dtypes
     if starts.dtype != torch.int64:
         refuse(f"starts must be int64, got {starts.dtype}")
