@@ -170,6 +170,8 @@ INVALID = [
     # Dtypes (ONNX implementations: the model declares the wrong type, as a mistyped graph would).
     Case("starts-int32", **BASE, change=_set("starts", lambda f: f["starts"].astype(np.int32)),
          message="starts must be int64"),
+    Case("starts-float-nan", **BASE, change=_set("starts", lambda f: np.where(f["starts"] > 2, np.nan, f["starts"])),
+         message="starts must be int64"),  # NaN has no range: refused for its dtype, not by a ValueError
     Case("w_out-other-float", **BASE, change=_set("w_out_dtype", "other"), message="w_out must have X's dtype"),
 ]
 
