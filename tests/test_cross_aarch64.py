@@ -2,7 +2,8 @@
 WindowStarts, StepInputs and the starts check) through its C++ test driver
 (plugins/onnxruntime/tests/driver.cc), against fresh reference data from the Python references: cross-compiled for aarch64 (armv8-a)
 and run under qemu-aarch64, and built natively, where every CPU variant the machine supports runs
-(and, when qemu-x86_64 exists, the portable baseline under a CPU model without AVX)."""
+(and, when qemu-x86_64 exists, the portable baseline under a CPU model without AVX); and, where nvcc
+exists, built with the CUDA computation, which runs the float op's cases on a GPU when one is there."""
 
 import pathlib
 import re
@@ -57,3 +58,25 @@ def test_native_every_variant(tmp_path):
     assert len(variants) == len(set(variants)) + ("qemu64" in out)  # one run per supported variant (+ qemu64)
     if "qemu64" in out:
         assert variants[-1] == "baseline"
+
+
+def test_cuda_build(tmp_path):
+    """cross_test.sh cuda: the driver and benchmark built with the CUDA computation (where nvcc
+    exists). On a GPU every case passes, the float op's also on the GPU; without one the driver
+    refuses in one line before any case, so the build is what this checks here."""
+    for tool in ("nvcc", "cmake"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} not installed")
+    headers_or_skip()
+    cases = tmp_path / "cases.bin"
+    subprocess.run([sys.executable, str(WRITER), str(cases)], capture_output=True, text=True, check=True)
+    result = subprocess.run(["bash", str(SCRIPT), "cuda", str(cases)], capture_output=True, text=True, timeout=900)
+    assert "cross_test: built infmoe_ffn_test libinfmoe_ort.so (cuda)" in result.stdout, result.stdout + result.stderr
+    assert (PLUGIN / "build-test-cuda" / "infmoe_cuda_bench").is_file()
+    if "driver: ffn cases also on CUDA device 0" in result.stdout:
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert len(re.findall(r"^ok   ffn .*CUDA fp32 err .*2 runs identical$", result.stdout, re.MULTILINE)) >= 10
+    else:
+        assert result.returncode != 0
+        assert re.search(r"^driver: CUDA device 0: .+", result.stderr, re.MULTILINE), result.stderr
+        assert "ok   " not in result.stdout  # refused before any case
