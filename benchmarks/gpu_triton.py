@@ -19,7 +19,7 @@ the activations' type), each with float32 and float16 activations.
    quantized --, plus biases and x) / time, compared with the GPU's copy bandwidth measured in
    the same run (device-to-device copy of 1 GiB). Target: >= 70 % of it. L2 is flushed before
    every timed call (triton.testing.do_bench), so weights come from HBM as in a real decode step;
-   "vs fp32" is the same K's float32 SPLIT time over this row's. Two SPLIT timings: "split" calls
+   "vs fp32" is the same K's float32 SPLIT kernel time over this row's. Two SPLIT timings: "split" calls
    the Python launcher (input checks with their host sync, Python, the launch: what a PyTorch
    caller pays) and "kernel" replays a CUDA graph of the same launch without the start check (the
    device's time, what a TensorRT engine pays); the target is judged on "kernel".
@@ -208,7 +208,7 @@ print(f"\n{gpu}: copy bandwidth {copy_gbs:.0f} GB/s; layer D {D}, H {H}, r {R}; 
 print(f"{'dtype':8} {'weights':7} {'K':>2} {'union':>6} {'MB read':>8} {'dense ms':>9} {'split ms':>9} "
       f"{'cols ms':>9} {'kernel ms':>9} {'kernel GB/s':>11} {'% copy':>7} {'vs dense':>8} {'vs fp32':>8}")
 rows = []
-fp32_split = {}  # K -> float32 split ms, the baseline of "vs fp32"
+fp32_kernel = {}  # K -> float32 SPLIT kernel ms, the baseline of "vs fp32"
 for dtype in (torch.float32, torch.float16):
     for weights in WEIGHTS:
         layer = Layer(dtype, weights)
@@ -228,13 +228,13 @@ for dtype in (torch.float32, torch.float16):
             timed = (graph_ms if device == "cuda" else bench_ms)(
                 lambda: layer.run(x, starts, deterministic=False, check_starts=False))
             if dtype == torch.float32 and weights == "float":
-                fp32_split[k] = timed
+                fp32_kernel[k] = timed
             gbs = needed / timed / 1e6
             row = dict(dtype=str(dtype)[6:], weights=weights, block_size=B if layer.bits else None, k=k, union=union,
                        bytes=needed, dense_ms=dense, split_ms=split, columns_ms=cols, kernel_ms=timed, kernel_gbs=gbs,
                        split_gbs=needed / split / 1e6, columns_gbs=needed / cols / 1e6, fraction_of_copy=gbs / copy_gbs,
                        speedup_vs_dense=dense / split,
-                       speedup_vs_fp32=fp32_split[k] / timed if k in fp32_split else None)
+                       speedup_vs_fp32=fp32_kernel[k] / timed if k in fp32_kernel else None)
             rows.append(row)
             vs_fp32 = f"{row['speedup_vs_fp32']:>7.2f}x" if row["speedup_vs_fp32"] else f"{'-':>8}"
             print(f"{row['dtype']:8} {weights:7} {k:>2} {union:>6} {needed / 1e6:>8.2f} {dense:>9.4f} {split:>9.4f} "

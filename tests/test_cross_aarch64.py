@@ -25,15 +25,20 @@ def headers_or_skip():
                     "the test does not download them")
 
 
-def run(target, tmp_path, tools):
+def cross_test(target, tmp_path, tools, install):
+    """cross_test.sh TARGET on fresh reference cases: (its completed process, the number of cases)."""
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (apt-get install g++-aarch64-linux-gnu qemu-user)")
+        pytest.skip(f"{', '.join(missing)} not installed ({install})")
     headers_or_skip()
     cases = tmp_path / "cases.bin"
     written = subprocess.run([sys.executable, str(WRITER), str(cases)], capture_output=True, text=True, check=True)
     count = int(re.search(r"(\d+) cases", written.stdout).group(1))
-    result = subprocess.run(["bash", str(SCRIPT), target, str(cases)], capture_output=True, text=True, timeout=600)
+    return subprocess.run(["bash", str(SCRIPT), target, str(cases)], capture_output=True, text=True, timeout=900), count
+
+
+def run(target, tmp_path, tools):
+    result, count = cross_test(target, tmp_path, tools, "apt-get install g++-aarch64-linux-gnu qemu-user")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = re.findall(r"driver: (\d+) of (\d+) cases passed \(variant (\w+)\)", result.stdout)
     assert summaries and all(int(passed) == int(total) == count for passed, total, _ in summaries), result.stdout
@@ -64,13 +69,7 @@ def test_cuda_build(tmp_path):
     """cross_test.sh cuda: the driver and benchmark built with the CUDA computation (where nvcc
     exists). On a GPU every case passes, the float op's also on the GPU; without one the driver
     refuses in one line before any case, so the build is what this checks here."""
-    for tool in ("nvcc", "cmake"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"{tool} not installed")
-    headers_or_skip()
-    cases = tmp_path / "cases.bin"
-    subprocess.run([sys.executable, str(WRITER), str(cases)], capture_output=True, text=True, check=True)
-    result = subprocess.run(["bash", str(SCRIPT), "cuda", str(cases)], capture_output=True, text=True, timeout=900)
+    result, _ = cross_test("cuda", tmp_path, ["nvcc", "cmake"], "the CUDA toolkit")
     assert "cross_test: built infmoe_ffn_test libinfmoe_ort.so (cuda)" in result.stdout, result.stdout + result.stderr
     assert (PLUGIN / "build-test-cuda" / "infmoe_cuda_bench").is_file()
     if "driver: ffn cases also on CUDA device 0" in result.stdout:
