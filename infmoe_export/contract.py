@@ -52,6 +52,15 @@ TARGETS, DEFAULT_TARGET = ("portable", "onnxruntime", "tensorrt"), "portable"
 SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "total_sequence_length"
 
 
+def precision_name(dtype: str, quantize_other: str = "none") -> str:
+    """fp32, fp16; all-int8 / all-int4 (every matrix SPEC §6 lets be quantized: the experts,
+    attention, the tied embedding / LM head); "int4 experts" (the experts alone); "int4 experts,
+    int8 other" (mixed)."""
+    if quantize_other == "none":
+        return f"{dtype} experts" if dtype in BITS else dtype
+    return f"all-{dtype}" if dtype == quantize_other else f"{dtype} experts, {quantize_other} other"
+
+
 @dataclass(frozen=True)
 class DecoderIO:
     config: InfMoEConfig
@@ -93,6 +102,16 @@ class DecoderIO:
     def quantized(self) -> List[str]:
         """What is stored as integers: "experts", "attention", "embedding" (the tied LM head)."""
         return (["experts"] if self.bits else []) + (["attention", "embedding"] if self.other_bits else [])
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision in a word or two (precision_name)."""
+        return precision_name(self.dtype, self.quantize_other)
+
+    @property
+    def label(self) -> str:
+        """What was exported, as commands and reports name it: 'onnxruntime all-int4'."""
+        return f"{self.target} {self.precision}"
 
     @property
     def shares_cache(self) -> bool:

@@ -2,12 +2,15 @@
 
 import math
 import os
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
 
 import click
 
+from .contract import QUANTIZE_OTHER, precision_name
 from .errors import InfMoEError
 from .limits import check_fits, forward_bytes
+from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, check_block_size
 
 # Seeds feed torch and numpy generators, which take 64-bit values.
 SEED = click.IntRange(0, 2**63 - 1)
@@ -59,5 +62,143 @@ def set_threads(threads: Optional[int] = None) -> int:
     return threads
 
 
-QUANTIZE_OTHER_HELP = ("Precision of attention and the tied embedding / LM head in the int8 / int4 models "
-                       "(docs/quantization.md); fp32 and fp16 models stay float.")
+def precision_list(text: str) -> List[str]:
+    """'fp32,int4' -> ['fp32', 'int4'] in PRECISIONS order; anything else is a one-line error."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    if not names or names - set(PRECISIONS):
+        raise InfMoEError(f"--dtype must be a comma-separated list of {', '.join(PRECISIONS)}, got {text!r}")
+    return [name for name in PRECISIONS if name in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a command exports: one flag per intent. `--for` names the runtime, `--dtype` the weights;
+# together they give the fastest artifact for that runtime. The finer flags (`--quantize-other`,
+# `--target`) stay for experts-only or mixed precision and for graphs written for elsewhere.
+
+# tensorrt: the standard-op graph `infmoe-export trt` builds engines from; portable: standard ops
+# and the expert op, for any runtime or tool (docs/export.md, Targets).
+DEPLOYMENTS = ("onnxruntime", "tensorrt", "portable")
+DEFAULT_DEPLOYMENT = "onnxruntime"
+
+
+@dataclass(frozen=True)
+class ExportChoice:
+    """One artifact's export settings: the graph's target and every matrix's precision.
+    options() are export_onnx's (and export_many's) keywords; label names it ('onnxruntime
+    all-int4', as DecoderIO.label names the exported file); note, when set, says why the target
+    differs from the default one."""
+    target: str = DEFAULT_DEPLOYMENT
+    dtype: str = "fp32"
+    quantize_other: str = "none"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    note: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def precision(self) -> str:
+        return precision_name(self.dtype, self.quantize_other)
+
+    @property
+    def label(self) -> str:
+        return f"{self.target} {self.precision}"
+
+    def options(self) -> dict:
+        return {"target": self.target, "dtype": self.dtype, "quantize_other": self.quantize_other,
+                "block_size": self.block_size}
+
+
+def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Optional[str] = None,
+                   quantize_other: Optional[str] = None, target: Optional[str] = None,
+                   block_size: Optional[int] = None) -> List[ExportChoice]:
+    """The flags as one ExportChoice per precision in dtypes (default fp32), checked before any
+    export; None is a flag not given. A conflict is a one-line error naming both flags.
+
+    - The target is --target, else --for, else onnxruntime; when neither was given and config's
+      head_dim does not fit onnxruntime's attention, the portable graph (with a note). --for is
+      checked against its runtime: tensorrt must be installed, onnxruntime must fit.
+    - int8 / int4 quantize every matrix the runtime reads fast at that precision: onnxruntime
+      and portable the experts, attention and the tied embedding / LM head (the router,
+      LayerNorms and biases stay float); tensorrt the experts (its plugin). --quantize-other
+      overrides that for the int8 / int4 models; fp32 and fp16 models stay float."""
+    dtypes = list(dtypes or ["fp32"])
+    quantized = [d for d in dtypes if d in BITS]
+    if deploy is not None and target is not None and target != deploy:
+        raise InfMoEError(f"--target {target} conflicts with --for {deploy}: give one of them")
+    if quantize_other not in (None, "none") and not quantized:
+        raise InfMoEError(f"--quantize-other {quantize_other} applies to int8 / int4 models, and --dtype has none")
+    if quantize_other is not None and quantize_other not in QUANTIZE_OTHER:
+        raise InfMoEError(f"--quantize-other must be one of {', '.join(QUANTIZE_OTHER)}, got {quantize_other!r}")
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if quantized:
+        try:
+            check_block_size(block_size)
+        except InfMoEError as error:
+            raise InfMoEError(f"--block-size: {error}") from None
+    chosen, note = target or deploy or DEFAULT_DEPLOYMENT, None
+    if chosen == "onnxruntime":
+        from .export.ort_target import HEAD_DIM_MULTIPLE, fits_onnxruntime
+
+        if not fits_onnxruntime(config):
+            problem = (f"this checkpoint's head_dim {config.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}, "
+                       "which onnxruntime's attention needs")
+            if target or deploy:
+                raise InfMoEError(f"--{'target' if target else 'for'} onnxruntime: {problem}: use --for portable")
+            chosen, note = "portable", f"the portable graph: {problem}"
+    if deploy == "tensorrt":
+        from .runtimes.tensorrt import tensorrt_problem
+
+        problem = tensorrt_problem()
+        if problem:
+            raise InfMoEError(f"--for tensorrt: {problem} (--target tensorrt writes its graph without it)")
+
+    def other(dtype: str) -> str:
+        if dtype not in BITS:
+            return "none"
+        if quantize_other is not None:
+            return quantize_other
+        return "none" if chosen == "tensorrt" else dtype
+
+    return [ExportChoice(chosen, dtype, other(dtype), block_size if dtype in BITS else DEFAULT_BLOCK_SIZE, note)
+            for dtype in dtypes]
+
+
+FOR_HELP = ("The runtime the model is for: onnxruntime (default; its fused graph, int8 / int4 read by our "
+            "kernels), tensorrt (the standard-op graph of `infmoe-export trt`; needs TensorRT here) or portable "
+            "(standard ops and the expert op, for any runtime or tool). The table: `infmoe-export onnx --help`.")
+DTYPE_HELP = ("Weights: fp32 (default), fp16 (the experts in float16), int8 / int4 (every matrix but the router, "
+              "LayerNorms and biases; --for tensorrt: the experts).")
+QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the int8 / int4 models (default: as "
+                       "--dtype, or none for tensorrt; none: the experts only).")
+
+
+def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DEPLOYMENTS, target: bool = False):
+    """The flags of export_choices on a command: --for (among deployments), --dtype (a
+    comma-separated list where many), --quantize-other, --block-size, and --target where asked.
+    Every default is None (a flag not given): export_choices applies the defaults."""
+    from .contract import TARGETS
+
+    def decorate(command):
+        options = [
+            click.option("--for", "deploy", type=click.Choice(deployments), default=None, help=FOR_HELP),
+            click.option("--dtype", default=None, type=None if many else click.Choice(PRECISIONS),
+                         help=DTYPE_HELP + (" Comma-separated: one model each." if many else "")),
+            click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default=None,
+                         help=QUANTIZE_OTHER_HELP),
+            click.option("--block-size", type=int, default=None,
+                         help=f"Weights per int8 / int4 scale, along the input dimension (a power of two >= 16; "
+                              f"default {DEFAULT_BLOCK_SIZE})."),
+        ]
+        if target:
+            options.append(click.option("--target", type=click.Choice(TARGETS), default=None,
+                                        help="Finer: the graph's target whatever the runtime here (--for checks "
+                                             "it): standard ops (portable, tensorrt) or onnxruntime's fused graph."))
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
+def choices_from_flags(config, deploy, dtype, quantize_other, block_size, target=None) -> List[ExportChoice]:
+    """export_choices of a command's export_choice_options values (dtype a list where many)."""
+    dtypes = None if dtype is None else precision_list(dtype)
+    return export_choices(config, dtypes, deploy=deploy, quantize_other=quantize_other, target=target,
+                          block_size=block_size)

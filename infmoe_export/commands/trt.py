@@ -2,7 +2,6 @@
 ContinuousSliceFFN / QContinuousSliceFFN plugins."""
 
 from pathlib import Path
-from typing import List
 
 import click
 
@@ -10,19 +9,11 @@ from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..errors import InfMoEError
 from ..export import export_many
 from ..files import locked, output_dir
-from ..options import positive_ints
-from ..quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, check_block_size
+from ..options import positive_ints, precision_list
+from ..quant import BITS, DEFAULT_BLOCK_SIZE, check_block_size
 from ..runtimes.tensorrt import build_engines, plan_models, require_tensorrt
 
 DEFAULT_KS = (1, 2, 4, 8)
-
-
-def precision_list(text: str) -> List[str]:
-    """'fp32,int4' -> ['fp32', 'int4'] in PRECISIONS order; anything else is a one-line error."""
-    names = {part.strip() for part in text.split(",") if part.strip()}
-    if not names or names - set(PRECISIONS):
-        raise InfMoEError(f"--dtype must be a comma-separated list of {', '.join(PRECISIONS)}, got {text!r}")
-    return [name for name in PRECISIONS if name in names]
 
 
 @click.command("trt")
