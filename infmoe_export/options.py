@@ -170,6 +170,28 @@ QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the
                        "--dtype, or none for tensorrt; none: the experts only).")
 
 
+def _weight_bytes(bits: int) -> str:
+    """Bytes a weight takes at bits with float32 block scales, over float32's four."""
+    return f"{(bits / 8 + 4 / DEFAULT_BLOCK_SIZE) / 4:.2f}x"
+
+
+# The choices in one table (click prints a paragraph that starts with \b as written).
+CHOICES_TABLE = "\n".join([
+    "\b",
+    "--for        --dtype     what is written                                  bytes a weight",
+    "onnxruntime  fp32        fused attention, a KV buffer shared in place     1x (the default)",
+    "onnxruntime  fp16        the experts in float16                           0.50x (experts)",
+    f"onnxruntime  int8        int8 experts, attention, LM head: our kernels    {_weight_bytes(8)}",
+    f"onnxruntime  int4        int4 experts, attention, LM head: our kernels    {_weight_bytes(4)}",
+    "tensorrt     any         standard ops for `infmoe-export trt`; int8 / int4: the experts",
+    "portable     any         standard ops and the expert op; int8 / int4: DequantizeLinear too",
+    "",
+    "The router, LayerNorms and biases stay float32 in every precision; --quantize-other none makes",
+    "int8 / int4 the experts only. Decode is bound by the bytes read; measured speed per choice:",
+    "benchmarks/bench_quant_model.py, its results in benchmarks/results/.",
+])
+
+
 def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DEPLOYMENTS, target: bool = False):
     """The flags of export_choices on a command: --for (among deployments), --dtype (a
     comma-separated list where many), --quantize-other, --block-size, and --target where asked.

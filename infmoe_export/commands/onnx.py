@@ -5,18 +5,24 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
-from ..contract import DEFAULT_TARGET, DTYPES, QUANTIZE_OTHER, TARGETS
+from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config
 from ..errors import InfMoEError
 from ..files import locked, output_dir, output_file, staged_dir
 from ..export import DEFAULT_OPSET, QDQ_OPSET, export_onnx
 from ..model import NOISE_MODES
-from ..quant import DEFAULT_BLOCK_SIZE, check_block_size
+from ..options import CHOICES_TABLE, choices_from_flags, export_choice_options
 from ..runtimes import ort_kernel
 from ..verify.validate import validate_onnx
 
 
-@click.command("onnx")
+HELP = f"""Export a checkpoint to ONNX with one ∞-MoE expert op node per layer, and validate it in
+onnxruntime against PyTorch. --for names the runtime and --dtype the weights; the model is the
+fastest one for that runtime:
+
+{CHOICES_TABLE}"""
+
+
+@click.command("onnx", help=HELP)
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="Checkpoint directory (default: the bundled model).")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
@@ -26,32 +32,20 @@ from ..verify.validate import validate_onnx
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
 @click.option("--opset", type=int, default=None,
-              help=f"ONNX opset (default: {DEFAULT_OPSET}; {QDQ_OPSET} with --quantize-other, which needs it).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
-              help="Precision of the expert weights; int8 / int4: QContinuousSliceFFN (docs/quantization.md).")
-@click.option("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, show_default=True,
-              help="Weights per int8 / int4 scale, along the input dimension (a power of two >= 16).")
-@click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default="none", show_default=True,
-              help="Attention and the tied embedding / LM head as ONNX QDQ (DequantizeLinear, opset 21).")
-@click.option("--target", type=click.Choice(TARGETS), default=DEFAULT_TARGET, show_default=True,
-              help="The runtime the graph is written for: standard ops (portable, tensorrt), or onnxruntime's "
-                   "fused attention on a KV buffer shared in place (docs/export.md).")
+              help=f"ONNX opset (default: {DEFAULT_OPSET}; {QDQ_OPSET} where int8 / int4 matrices are "
+                   "DequantizeLinear, which needs it).")
+@export_choice_options(target=True)
 @click.option("--no-function", is_flag=True, help="Leave out the fallback function (TensorRT plugin models).")
 @click.option("--with-starts", is_flag=True, help="Add outputs expert_starts.{i} [batch, sequence, K].")
 @click.option("--atol", type=float, default=None,
               help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16).")
 @click.option("--no-validate", is_flag=True, help="Skip the onnxruntime-vs-PyTorch check.")
-def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, quantize_other, target, no_function,
-                 with_starts, atol, no_validate):
-    """Export a checkpoint to ONNX with one infmoe::ContinuousSliceFFN node per layer."""
+def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quantize_other, block_size, target,
+                 no_function, with_starts, atol, no_validate):
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
-    try:
-        check_block_size(block_size)
-    except InfMoEError as error:
-        raise InfMoEError(f"--block-size: {error}") from None
-    # how the graph is written: precision, quantization, target
-    graph_options = dict(dtype=dtype, block_size=block_size, quantize_other=quantize_other, target=target)
+    source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    choice, = choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size, target)
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:
@@ -59,19 +53,20 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, q
         if ort_kernel.custom_op_library() is None:
             raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not installed; "
                               "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
-    source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
-        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, graph_options,
+        _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, choice,
                        no_function, with_starts, atol, no_validate)
         return
     output_file(out, inputs=[source / CONFIG_FILE, source / WEIGHTS_FILE])
     model = load_checkpoint(checkpoint)
     start = time.perf_counter()
-    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, **graph_options,
+    exported = export_onnx(model, out, k=k, noise=noise, past=not no_past, opset=opset, **choice.options(),
                            function=not no_function, with_starts=with_starts)
     path = exported.path
     size = sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.exists())
-    click.echo(f"exported {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
+    click.echo(f"exported {path} ({choice.label}, {size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s",
+               err=True)
+    _note(choice)
     if no_validate:
         return
     from rich.console import Console
@@ -83,7 +78,12 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, dtype, block_size, q
     click.echo(f"validated {path}: all outputs within atol {report.atol:g}", err=True)
 
 
-def _export_folder(out, checkpoint, k, noise, no_past, opset, graph_options, no_function, with_starts, atol,
+def _note(choice):
+    if choice.note:
+        click.echo(f"note: {choice.note}", err=True)
+
+
+def _export_folder(out, checkpoint, k, noise, no_past, opset, choice, no_function, with_starts, atol,
                    no_validate):
     """`--out DIR`: model.onnx and the clients' files into a staging folder, validated, then
     published to out (published on a failed validation too, like the file: it is complete and
@@ -95,7 +95,7 @@ def _export_folder(out, checkpoint, k, noise, no_past, opset, graph_options, no_
     report = None
     with locked(out), staged_dir(out) as staging:
         exported = export_onnx(model, staging / MODEL_FILE, k=k, noise=noise, past=not no_past, opset=opset,
-                               **graph_options, function=not no_function, with_starts=with_starts)
+                               **choice.options(), function=not no_function, with_starts=with_starts)
         write_hf_folder(staging, exported, kernel_library=ort_kernel.custom_op_library() if no_function else None)
         if not no_validate:
             from rich.console import Console
@@ -103,7 +103,9 @@ def _export_folder(out, checkpoint, k, noise, no_past, opset, graph_options, no_
             report = validate_onnx(model, exported, atol=atol, raise_on_failure=False)
             Console(stderr=True, width=120).print(report.table())
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    click.echo(f"exported {out}/ ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", err=True)
+    click.echo(f"exported {out}/ ({choice.label}, {size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s",
+               err=True)
+    _note(choice)
     for note in client_limitations(exported):
         click.echo(f"note: {note}", err=True)
     if report is not None:
