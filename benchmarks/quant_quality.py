@@ -1,6 +1,6 @@
 """Issue 10's quality and size figures for docs/quantization.md, on the bundled model.
 
-    .venv/bin/python benchmarks/quant_quality.py [--k 1,2,4,8] [--windows 64] [--json runs/quant_quality.json]
+    .venv/bin/python -m benchmarks.quant_quality [--k 1,2,4,8] [--windows 64] [--json benchmarks/results/quant_quality.json]
 
 Level 2 (SPEC §6) of each precision against the float32 reference, per K and noise mode, with
 verify/quality.py on full 256-byte windows of the stdlib validation split. The quantized side
@@ -9,18 +9,17 @@ tolerances (validate.py checks each one); the file sizes are real exports.
 """
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
-import arguments
 from infmoe_export.checkpoint import load_checkpoint
 from infmoe_export.contract import DecoderIO
 from infmoe_export.export import export_onnx
-from infmoe_export.files import atomic_write
 from infmoe_export.runtimes.torch_runner import TorchRunner
 from infmoe_export.verify.quality import quality_vs_float
+
+from . import arguments, record
 
 # (experts, other matrices): every precision the docs report.
 SETTINGS = [("int8", "none"), ("int4", "none"), ("int4", "int4")]
@@ -30,7 +29,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=arguments.ks, default="1,2,4,8")
     parser.add_argument("--windows", type=arguments.count(), default=64)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, default=record.default_path("quant_quality"))
     args = parser.parse_args(argv)
     model = load_checkpoint(None)
     rows = []
@@ -51,8 +50,7 @@ def main(argv=None):
             sizes[f"{dtype}/{other}"] = path.stat().st_size
     for name, size in sizes.items():
         print(f"| {name} | {size / 1e6:.2f} MB | {size / sizes['fp32/none']:.3f}x |")
-    if args.json:
-        atomic_write(args.json, json.dumps({"quality": rows, "sizes": sizes}, indent=1))
+    record.save(args.json, "quant_quality", {"quality": rows, "sizes": sizes})
     return 0
 
 

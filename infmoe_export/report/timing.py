@@ -4,14 +4,23 @@ Latency is the wall time of one call (time.perf_counter) after untimed warm-up c
 `interleaved` times several configurations (backends × K × precision) round-robin, in a
 shuffled order each round, so drift of a shared machine (other jobs, thermal, frequency) falls
 on all of them alike rather than on whichever ran last; it stops when every median's confidence
-interval is tight or the time budget is spent. The median's interval is distribution-free (order
-statistics of the binomial, `median_ci`); two figures whose intervals overlap are within noise.
+interval is tight or the time budget is spent (or after a fixed number of rounds). `sampled_rounds`
+does the same with samples that are themselves summaries (the median of a few back-to-back
+decode steps), each after a bandwidth probe where a roofline needs one. The median's interval is
+distribution-free (order statistics of the binomial, `median_ci`); two figures whose intervals
+overlap are within noise.
+
+The roofline's denominator is a read bandwidth measured in the same run: `memory_bandwidth`
+(torch streaming a buffer far larger than the caches) or `MatMulBandwidth` (onnxruntime's own
+MatMul, the GEMV a decode step is made of).
 """
 
+import itertools
 import math
 import os
 import platform
 import random
+import statistics
 import time
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +34,9 @@ PERCENTILES = (90, 99)
 CONFIDENCE = 0.95
 MIN_ITERS = 8   # the fewest samples whose extremes bound the median at >= 99% (1 - 2 / 2^8)
 REL_CI = 0.02   # stop once every interval's half-width is within 2% of its median
+# After a run, onnxruntime's pool threads (and llama.cpp's) spin a while before they sleep: a
+# runtime sampled right after another would share the cores with them, so each sample waits this long.
+SETTLE_S = 0.05
 
 
 def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> List[float]:
@@ -82,10 +94,11 @@ def stable(ms: Sequence[float], rel_ci: float) -> bool:
 
 
 def interleaved(calls: Sequence[Callable[[], object]], *, warmup: int, max_iters: int, budget_s: float,
-                rel_ci: float = REL_CI, seed: int = 0) -> List[List[float]]:
+                rel_ci: Optional[float] = REL_CI, seed: int = 0) -> List[List[float]]:
     """Seconds per call of every fn in `calls`, timed one call each per round in a shuffled order:
     rounds go on until every median's interval is within rel_ci of it (after at least MIN_ITERS
-    rounds), or a configuration reached max_iters calls, or budget_s seconds of rounds are spent."""
+    rounds; never with rel_ci None), or a configuration reached max_iters calls, or budget_s
+    seconds of rounds are spent. Sample j of every fn comes from the same round."""
     if warmup < 0 or max_iters < 1 or budget_s <= 0:
         raise InfMoEError(f"need warmup >= 0, iters >= 1 and a positive budget, got {warmup}, {max_iters}, {budget_s}")
     for fn in calls:
@@ -101,9 +114,59 @@ def interleaved(calls: Sequence[Callable[[], object]], *, warmup: int, max_iters
             samples[i] += time_calls(calls[i], 0, 1)
         if time.perf_counter() - started >= budget_s and len(samples[0]) >= min(MIN_ITERS, max_iters):
             break
-        if all(stable(s, rel_ci) for s in samples):
+        if rel_ci is not None and all(stable(s, rel_ci) for s in samples):
             break
     return samples
+
+
+def rounds(calls: Dict[str, Callable[[], object]], count: int, warmup: int = 1) -> Dict[str, List[float]]:
+    """Seconds per call of every runner in `calls` (name: fn) over exactly `count` interleaved
+    rounds, after `warmup` untimed calls of each."""
+    samples = interleaved(list(calls.values()), warmup=warmup, max_iters=count, budget_s=math.inf, rel_ci=None)
+    return dict(zip(calls, samples))
+
+
+def cycling(call: Callable[[int], object], copies: int) -> Callable[[], object]:
+    """A runner that calls call(0), call(1), ..., call(copies - 1), call(0), ...: one that cycles
+    over copies of its weights, so that none comes from the cache."""
+    index = itertools.cycle(range(copies))
+    return lambda: call(next(index))
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median over rounds of a / b, sample by sample: a change in the machine's load between
+    rounds falls on both sides of each ratio alike."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def settle():
+    """Let the previous runtime's spinning threads go to sleep before the next sample."""
+    time.sleep(SETTLE_S)
+
+
+def sampled_rounds(samplers: Dict[object, Callable[[], float]], count: int,
+                   probe: Optional[Callable[[], float]] = None, seed: int = 0):
+    """`count` rounds; in each, every sampler once in a shuffled order, each after a settle (and
+    after a probe sample, where a probe is given). Returns the samples per sampler and the probe's
+    samples."""
+    samples = {name: [] for name in samplers}
+    probed = []
+    order = list(samplers)
+    shuffle = random.Random(seed).shuffle
+    for _ in range(count):
+        shuffle(order)
+        for name in order:
+            if probe is not None:
+                probed.append(probe())
+            settle()
+            samples[name].append(samplers[name]())
+    return samples, probed
+
+
+def median_ms(fn: Callable[[], object], calls: int) -> float:
+    """Median milliseconds of `calls` back-to-back calls of fn, after one untimed call: one sample
+    of a step that runs back to back in a generation."""
+    return statistics.median(time_calls(fn, 1, calls)) * 1e3
 
 
 def status_kib(field: str) -> Optional[int]:
@@ -174,15 +237,62 @@ def environment(intra_op_threads: Optional[int] = None) -> dict:
     }
 
 
-def memory_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
+def memory_bandwidth(mib: int = 512, repeats: int = 5, threads: Optional[int] = None) -> dict:
     """Streaming bandwidth in GB/s (1e9 bytes/s), best of `repeats`, with torch's intra-op
-    threads: `read` sums a buffer far larger than the caches (how a decode step streams its
-    weights), `copy` counts the bytes read plus the bytes written."""
+    threads (`threads` of them for this measurement, where given): `read` sums a buffer far larger
+    than the caches (how a decode step streams its weights), `copy` counts the bytes read plus the
+    bytes written."""
     import torch
 
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * 4
-    read = min(time_calls(lambda: src.sum(), 1, repeats))
-    copy = min(time_calls(lambda: dst.copy_(src), 1, repeats))
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        nbytes = src.numel() * 4
+        read = min(time_calls(lambda: src.sum(), 1, repeats))
+        copy = min(time_calls(lambda: dst.copy_(src), 1, repeats))
+    finally:
+        torch.set_num_threads(before)
     return {"read_gbs": nbytes / read / 1e9, "copy_gbs": 2 * nbytes / copy / 1e9, "buffer_mib": mib}
+
+
+class MatMulBandwidth:
+    """Read GB/s of onnxruntime's MatMul: x [1, rows] @ W [rows, cols] (256 MiB of float32), W an
+    initializer, one session per weight, taken in turn: twice the last-level cache's bytes
+    between two reads of one weight, so none comes from the cache (a single weight, read again
+    and again, comes partly from a large L3)."""
+
+    ROWS, COLS = 4096, 16384
+
+    def __init__(self, threads: int):
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        weight = np.random.default_rng(0).standard_normal((self.ROWS, self.COLS), dtype=np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "bandwidth",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, self.ROWS])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, self.COLS])],
+            [numpy_helper.from_array(weight, "w")])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        # Each session its own pool: one spinning after its call would take a core from the next;
+        # a call of ~10 ms pays its wake-up once.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+        self.copies = max(1, -(-2 * last_level_cache_bytes() // weight.nbytes))
+        self.sessions = [ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+                         for _ in range(self.copies)]
+        self.feed = {"x": np.ones((1, self.ROWS), np.float32)}
+        self.bytes = weight.nbytes
+        self.calls = 0
+
+    def run(self):
+        self.calls += 1
+        self.sessions[self.calls % self.copies].run(None, self.feed)
+
+    def sample(self, repeats: int = 3) -> float:
+        settle()
+        return self.bytes / statistics.median(time_calls(self.run, 1, repeats)) / 1e9

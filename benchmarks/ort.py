@@ -1,6 +1,6 @@
 """Issue 4's model-level benchmark: is the compiled kernel worth it on a whole model?
 
-    .venv/bin/python benchmarks/bench_ort.py [--k 1,2,4,8] [--json runs/bench_ort.json]
+    .venv/bin/python -m benchmarks.ort [--k 1,2,4,8] [--json benchmarks/results/ort.json]
 
 A GPT-2-Small-size ∞-MoE with random weights (D 768, L 12, 12 heads, H 6144, r 1536, V 50257)
 at each K, measured side by side in one run: batch-1 decode ms/token with a KV cache of 128
@@ -13,64 +13,24 @@ same run. Timing and feeds are those of `infmoe-export bench` (report/bench.py).
 """
 
 import argparse
-import math
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-import arguments
 from infmoe_export.export import export_onnx
-from infmoe_export.files import write_json
-from infmoe_export.model import InfMoEConfig, InfMoEGPT, coverage
-from infmoe_export.quant import BITS
-from infmoe_export.report.bench import measure, text_tokens
-from infmoe_export.report.timing import environment, memory_bandwidth
+from infmoe_export.model import InfMoEGPT
+from infmoe_export.report.bench import measure
+from infmoe_export.report.timing import memory_bandwidth
 from infmoe_export.runtimes.registry import make_runner, unavailable
 
-SMALL = InfMoEConfig(vocab_size=50257, n_positions=1024, d_model=768, n_layer=12, n_head=12, ffn_hidden=6144,
-                     slice_width=1536, num_samples=2)
-MEDIUM_DENSE = InfMoEConfig(vocab_size=50257, n_positions=1024, d_model=1024, n_layer=24, n_head=16,
-                            ffn_hidden=4096, slice_width=4096, num_samples=1)
-PAST, PREFILL, BLOCK = 128, 512, 32  # BLOCK: the quantized exports' block size
+from . import arguments, record
+from .roofline import decode_bytes
+from .shapes import MEDIUM_DENSE, PAST, PREFILL, SMALL
+
 TARGETS = {"decode_vs_fallback": 1.4, "decode_vs_eager": 1.5, "decode_vs_dense_medium": 2.5,
            "decode_over_roofline": 1.25, "prefill_vs_fallback": 1.0}
-
-
-def stored_bytes(numel: int, rows: int, bits: int) -> int:
-    """Bytes of numel weights in `rows` rows at `bits` (SPEC §6: float32 scales per block of BLOCK)."""
-    if bits == 32:
-        return 4 * numel
-    return numel * bits // 8 + rows * math.ceil(numel // rows / BLOCK) * 4
-
-
-def decode_bytes(model: InfMoEGPT, k: int, past: int = PAST, dtype: str = "fp32", quantize_other: str = "none") -> int:
-    """Bytes a batch-1 decode step at `past` must read at this precision: every weight except the
-    unused rows of w_in / w_out and all but two embedding rows, the tied LM head (all of wte), the
-    KV cache; quantized matrices at their bits plus their scales. The union of the windows is the
-    one the reference picks for the timed token (the benchmark's text)."""
-    c = model.config
-    expert_bits, other_bits = BITS.get(dtype, 32), BITS.get(quantize_other, 32)
-    ids = torch.from_numpy(text_tokens(past + 1)).view(1, -1)
-    with torch.no_grad():
-        starts = model(ids, k=k, return_starts=True).starts
-    total = 0
-    for name, p in model.named_parameters():
-        if name.endswith(("moe.w_in", "moe.w_out")):
-            continue
-        if name == "wte.weight":
-            total += 2 * stored_bytes(c.d_model, 1, other_bits) + stored_bytes(p.numel(), c.vocab_size, other_bits)
-        elif name == "wpe.weight":
-            total += 2 * 4 * c.d_model
-        elif name.endswith(("attn.qkv.weight", "attn.proj.weight")):
-            total += stored_bytes(p.numel(), p.shape[0], other_bits)
-        else:
-            total += 4 * p.numel()
-    for s in starts:
-        union = int((coverage(s[0, -1], c.ffn_hidden, c.slice_width) > 0).sum())
-        total += 2 * stored_bytes(union * c.d_model, union, expert_bits)
-    return total + 4 * c.n_layer * 2 * past * c.d_model
 
 
 def timings(runner_backend, model, torch_model, warmup, iters):
@@ -87,12 +47,12 @@ def main():
     parser.add_argument("--warmup", type=arguments.count(0), default=3)
     parser.add_argument("--iters", type=arguments.count(), default=10,
                         help="timed decode steps (prefill: a quarter, at least 3)")
-    parser.add_argument("--json", default="runs/bench_ort.json", help="where to write the results")
+    parser.add_argument("--json", default=record.default_path("ort"), help="where to write the results")
     args = parser.parse_args()
     ks = args.k
     torch.manual_seed(0)
     if unavailable("ort", None):
-        sys.exit("bench_ort: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+        sys.exit("benchmarks.ort: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
 
     bandwidth = memory_bandwidth()
     print(f"streaming read bandwidth {bandwidth['read_gbs']:.2f} GB/s, copy {bandwidth['copy_gbs']:.2f} GB/s")
@@ -131,10 +91,10 @@ def main():
 
 
 def write(path, bandwidth, args, rows):
-    result = {"environment": environment(), "bandwidth": bandwidth, "targets": TARGETS,
+    result = {"bandwidth": bandwidth, "targets": TARGETS,
               "config": {"small": SMALL.to_dict(), "medium_dense": MEDIUM_DENSE.to_dict(), "past": PAST,
                          "prefill": PREFILL, "warmup": args.warmup, "iters": args.iters}, "results": rows}
-    write_json(path, result)
+    record.save(path, "ort", result)
 
 
 def met(name: str, value: float) -> bool:

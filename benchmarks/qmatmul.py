@@ -2,8 +2,8 @@
 own MatMulNBits on the same storage, and onnxruntime's fp32 MatMul on the same matrix, in one run.
 
 GPT-2-Small's matrices (K 768: the LM head N 50257, qkv N 2304), int4 and int8, block 32, at 1
-and 2 intra-op threads. Decode (one token): the runners take turns call by call (the order
-rotating every round), each cycling over sessions holding copies of its weight as constants (so
+and 2 intra-op threads. Decode (one token): the runners take turns call by call (in a shuffled
+order every round), each cycling over sessions holding copies of its weight as constants (so
 that onnxruntime prepacks MatMulNBits' as in a model, and each call reads from memory: at least
 48 MB a runner), with an Identity node on the same input to subtract what a call costs
 onnxruntime and the Python binding. Reported: net µs, GB/s (the bytes the matrix
@@ -13,7 +13,7 @@ our kernel) and with int8 activations (level 4; off the level-1 reference), and 
 over the fp32 MatMul's (onnxruntime's best GEMV: the roofline). Prefill (512 tokens, qkv):
 QMatMul's time over MatMulNBits' (level 1) and over the fp32 MatMul's.
 
-    .venv/bin/python benchmarks/bench_qmatmul.py [--rounds 100] [--json runs/bench_qmatmul.json]
+    .venv/bin/python -m benchmarks.qmatmul [--rounds 100] [--json benchmarks/results/qmatmul.json]
 
 No session spins between calls (each session has its own pool, whose spinning threads would
 steal the two cores from the next session's call).
@@ -28,14 +28,16 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-import arguments
-from bench_qop import interleaved, median_ratio, session
 from infmoe_export.export.function import qmatmul_model
-from infmoe_export.files import write_json
 from infmoe_export.quant import pack_blocks, quantize
+from infmoe_export.report.timing import cycling, paired_ratio, rounds
 
-K, BLOCK, PREFILL = 768, 32, 512
-MATRICES = {"lm_head": 50257, "qkv": 2304}
+from . import arguments, record
+from .sessions import op_session as session
+from .shapes import BLOCK, PREFILL, SMALL
+
+K = SMALL.d_model
+MATRICES = {"lm_head": SMALL.vocab_size, "qkv": 3 * SMALL.d_model}
 COPY_BYTES = 48 << 20  # each runner cycles over at least this many bytes of weights (L3: 32 MB)
 
 
@@ -91,7 +93,7 @@ def main():
                         help="decode calls per runner (a fifth for the LM head)")
     parser.add_argument("--prefill-rounds", type=arguments.count(), default=3)
     parser.add_argument("--threads", type=arguments.threads, default="1,2")
-    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    parser.add_argument("--json", type=pathlib.Path, default=record.default_path("qmatmul"), help="write the results here")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     results = {"k": K, "block_size": BLOCK, "decode": [], "prefill": []}
@@ -106,36 +108,36 @@ def main():
                 sessions, size = runners(rng, n, bits, threads)
 
                 def call(runner, inputs):
-                    return lambda i: sessions[runner][i % len(sessions[runner])].run_with_ort_values(["Y"], dict(A=inputs))
+                    return cycling(lambda i: sessions[runner][i].run_with_ort_values(["Y"], dict(A=inputs)),
+                                   len(sessions[runner]))
 
-                t = interleaved({r: call(r, a) for r in sessions}, args.rounds if n < 10000 else max(args.rounds // 5, 10))
+                t = rounds({r: call(r, a) for r in sessions}, args.rounds if n < 10000 else max(args.rounds // 5, 10))
                 net = {r: [x - y for x, y in zip(v, t["call"])] for r, v in t.items() if r != "call"}
                 gb_s = {r: [size[r] / x / 1e9 for x in v] for r, v in net.items()}
                 row = dict(matrix=name, n=n, bits=bits, threads=threads, copies=len(sessions["qmatmul"]),
                            net_us={r: 1e6 * statistics.median(v) for r, v in net.items()},
                            gb_s={r: statistics.median(v) for r, v in gb_s.items()},
-                           speed_vs_nbits=median_ratio(net["nbits"], net["qmatmul"]),
-                           speed_vs_nbits_a8=median_ratio(net["nbits_a8"], net["qmatmul"]),
-                           gb_s_vs_fp32=median_ratio(gb_s["qmatmul"], gb_s["fp32"]))
+                           speed_vs_nbits=paired_ratio(net["nbits"], net["qmatmul"]),
+                           speed_vs_nbits_a8=paired_ratio(net["nbits_a8"], net["qmatmul"]),
+                           gb_s_vs_fp32=paired_ratio(gb_s["qmatmul"], gb_s["fp32"]))
                 results["decode"].append(row)
                 us, g = row["net_us"], row["gb_s"]
                 print(f"{name:>8} {bits:>4} {threads:>3} | {us['qmatmul']:>10.1f} {us['nbits']:>9.1f} {us['nbits_a8']:>9.1f} "
                       f"{us['fp32']:>8.1f} | {g['qmatmul']:>7.1f} {g['nbits']:>6.1f} {g['nbits_a8']:>6.1f} {g['fp32']:>6.1f}      | "
                       f"{row['speed_vs_nbits']:>8.2f} {row['speed_vs_nbits_a8']:>6.2f} {row['gb_s_vs_fp32']:>10.2f}", flush=True)
                 if name == "qkv":  # prefill: one matrix is enough to compare the GEMM paths
-                    t = interleaved({r: lambda i, r=r: sessions[r][0].run_with_ort_values(["Y"], dict(A=a_prefill))
-                                     for r in ("qmatmul", "nbits", "fp32")}, args.prefill_rounds)
+                    t = rounds({r: lambda r=r: sessions[r][0].run_with_ort_values(["Y"], dict(A=a_prefill))
+                                for r in ("qmatmul", "nbits", "fp32")}, args.prefill_rounds)
                     results["prefill"].append(dict(matrix=name, bits=bits, threads=threads, tokens=PREFILL,
                                                    ms={r: 1e3 * statistics.median(v) for r, v in t.items()},
-                                                   time_vs_nbits=median_ratio(t["qmatmul"], t["nbits"]),
-                                                   time_vs_fp32=median_ratio(t["qmatmul"], t["fp32"])))
+                                                   time_vs_nbits=paired_ratio(t["qmatmul"], t["nbits"]),
+                                                   time_vs_fp32=paired_ratio(t["qmatmul"], t["fp32"])))
     print(f"\nprefill, {PREFILL} tokens, qkv: QMatMul time / MatMulNBits time, / fp32 MatMul time")
     for row in results["prefill"]:
         ms = row["ms"]
         print(f"  int{row['bits']} {row['threads']} thread(s): QMatMul {ms['qmatmul']:.2f} ms, MatMulNBits {ms['nbits']:.2f},"
               f" fp32 {ms['fp32']:.2f}: {row['time_vs_nbits']:.2f}, {row['time_vs_fp32']:.2f}")
-    if args.json:
-        print(f"\nwrote {write_json(args.json, results)}")
+    print(f"\nwrote {record.save(args.json, 'qmatmul', results)}")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,23 @@
 """Issue 10's whole-model benchmark: is a quantized ∞-MoE faster by the bytes it saves?
 
-    .venv/bin/python benchmarks/bench_quant_model.py [--k 1,2,8] [--memory] [--json runs/bench_quant_model.json]
+    .venv/bin/python -m benchmarks.quant_model [--k 1,2,8] [--memory] [--json benchmarks/results/quant_model.json]
 
-GPT-2-Small-size ∞-MoE (bench_ort.SMALL, random weights), onnxruntime + the compiled kernel,
+GPT-2-Small-size ∞-MoE (shapes.SMALL, random weights), onnxruntime + the compiled kernel,
 `--target onnxruntime` exports (block 32), batch 1, at fp32, int8 and int4 experts, all-int8 and
 all-int4 (`--quantize-other int8 / int4`: attention and the LM head through infmoe::QMatMul).
 Per K, measured side by side in one run:
 
-- decode ms/token at past 128 (bench_decode.Decoder: each timed step a token at exactly that
+- decode ms/token at past 128 (sessions.Decoder: each timed step a token at exactly that
   past), interleaved round by round across the precisions and the peer, one sample of onnxruntime's
-  own MatMul read bandwidth (bench_decode.MatMulBandwidth, 256 MiB weights in turn) before each decode sample;
-- each precision's roofline: the bytes that precision must read (bench_ort.decode_bytes) over the
+  own MatMul read bandwidth (timing.MatMulBandwidth, weights in turn) before each decode sample;
+- each precision's roofline: the bytes that precision must read (roofline.decode_bytes) over the
   median bandwidth; ratios decode / roofline, and fp32 / precision;
-- the peer: a dense GPT-2-Medium-size model (bench_ort.MEDIUM_DENSE) exported at fp32 with the
+- the peer: a dense GPT-2-Medium-size model (shapes.MEDIUM_DENSE, sessions.dense_matmulnbits) exported at fp32 with the
   onnxruntime target, the LM head's Transpose of the tied wte made a constant, then every MatMul
   with a constant weight (attention, FFN, the LM head) quantized by onnxruntime's own
   MatMulNBitsQuantizer (int4, symmetric, block 32, float activations). Not our dense int4 path:
   its FFN w_out is QDQ blocked along the output dimension, which onnxruntime does not fuse into
-  MatMulNBits (a DequantizeLinear per step: 1.0 s a token, measured under load);
+  MatMulNBits (a DequantizeLinear per step);
 - all-int4 with onnxruntime's own MatMulNBits in place of QMatMul (what QMatMul's function runs
   without our kernel, `through_matmulnbits`), with float activations and with int8 activations
   (accuracy level 4): what our kernel buys, and what onnxruntime's int8-activation path buys,
@@ -27,38 +27,30 @@ Per K, measured side by side in one run:
   decodes (report.memory), per precision, for both export targets.
 
 The machine may be shared: every figure is a median over interleaved rounds, each sample after
-bench_decode's `settle` pause.
+a pause (timing.settle).
 """
 
 import argparse
-import collections
-import logging
 import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
-from onnx import numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ort and bench_decode beside this file
-import arguments  # noqa: E402
-from bench_decode import Decoder, MatMulBandwidth, settle  # noqa: E402
-from bench_ort import BLOCK, MEDIUM_DENSE, SMALL, decode_bytes  # noqa: E402
-from infmoe_export.contract import ExportedModel  # noqa: E402
-from infmoe_export.export import export_onnx  # noqa: E402
-from infmoe_export.files import write_json  # noqa: E402
-from infmoe_export.model import InfMoEGPT  # noqa: E402
-from infmoe_export.report.bench import text_tokens  # noqa: E402
-from infmoe_export.report.memory import files_of, measure_child  # noqa: E402
-from infmoe_export.report.timing import environment, time_calls  # noqa: E402
-from infmoe_export.runtimes.ort import MATMULNBITS_ACCURACY, SharedCache  # noqa: E402
-from infmoe_export.runtimes.ort_kernel import custom_op_library  # noqa: E402
+from infmoe_export.contract import ExportedModel
+from infmoe_export.export import export_onnx
+from infmoe_export.model import InfMoEGPT
+from infmoe_export.report.memory import files_of, measure_child
+from infmoe_export.report.timing import MatMulBandwidth, median_ms, sampled_rounds
+from infmoe_export.runtimes.ort_kernel import custom_op_library
 
-PAST, PREFILL = 128, 512
+from . import arguments, record
+from .roofline import decode_bytes
+from .sessions import Decoder, dense_matmulnbits, int8_activations, through_matmulnbits
+from .shapes import BLOCK, MEDIUM_DENSE, PAST, PREFILL, SMALL
+
 PRECISIONS = {"fp32": {}, "int8": {"dtype": "int8"}, "int4": {"dtype": "int4"},
               "all-int8": {"dtype": "int8", "quantize_other": "int8"},
               "all-int4": {"dtype": "int4", "quantize_other": "int4"}}
@@ -69,68 +61,10 @@ NBITS, A8 = "all-int4, MatMulNBits", "all-int4, MatMulNBits int8 activations"
 AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}
 
 
-def dense_peer(scratch: Path) -> ExportedModel:
-    """The dense Medium-size model with onnxruntime's own int4 MatMulNBits."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    logging.getLogger().setLevel(logging.WARNING)  # the quantizer's module sets INFO on import
-    fp32 = export_onnx(InfMoEGPT(MEDIUM_DENSE).eval(), scratch / "medium_fp32.onnx", k=1, target="onnxruntime")
-    model = onnx.load(str(fp32.path))
-    fp32.path.unlink()
-    # The quantizer takes MatMuls whose weight is an initializer; the LM head reads Transpose(wte).
-    weights = {t.name: t for t in model.graph.initializer}
-    head = next(n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in weights)
-    transposed = numpy_helper.to_array(weights[head.input[0]]).T.copy()
-    model.graph.initializer.append(numpy_helper.from_array(transposed, head.output[0]))
-    model.graph.node.remove(head)
-    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=BLOCK, is_symmetric=True)
-    quantizer.process()
-    path = scratch / "medium_int4.onnx"
-    quantizer.model.save_model_to_file(str(path))
-    fused = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
-    print(f"dense Medium peer: {fused} MatMulNBits, file {path.stat().st_size / 2**20:.0f} MiB", flush=True)
-    return ExportedModel.read(path)
-
-
-def through_matmulnbits(path: Path, accuracy_level: int) -> Path:
-    """A copy of an export whose QMatMul nodes (attention, LM head) are onnxruntime's MatMulNBits,
-    as their function inlines them, at an accuracy level: 1 float activations, 4 int8 ones
-    (onnxruntime-genai's CPU default; off the level-1 reference by more than the float
-    tolerances, so a deployment judges it at level 2, docs/quantization.md)."""
-    model = onnx.load(str(path))
-    for node in model.graph.node:
-        if node.op_type == "QMatMul":
-            node.op_type, node.domain = "MatMulNBits", "com.microsoft"
-            node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
-    out = path.with_name(f"{path.stem}_nbits{accuracy_level}.onnx")
-    onnx.save(model, str(out))
-    return out
-
-
-def a8_options() -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.add_session_config_entry(MATMULNBITS_ACCURACY, "4")
-    return options
-
-
-def prefill_step(decoder: Decoder, tokens: np.ndarray):
-    """One prefill of tokens on a fresh position 0 of a cache shared in place."""
-    cache = SharedCache(decoder.session, decoder.io)
-
-    def step():
-        cache.length = 0
-        cache.step(tokens)
-    return step
-
-
 def interleaved_rounds(steps: dict, bandwidth: MatMulBandwidth, rounds: int, calls: int):
     """Per round, per entry: one bandwidth sample, then the median ms of `calls` calls."""
-    samples, gbs = collections.defaultdict(list), []
-    for _ in range(rounds):
-        for name, step in steps.items():
-            gbs.append(bandwidth.sample())
-            settle()
-            samples[name].append(median(time_calls(step, 1, calls)) * 1e3)
+    samples, gbs = sampled_rounds({name: (lambda step=step: median_ms(step, calls)) for name, step in steps.items()},
+                                  rounds, bandwidth.sample)
     return {name: median(values) for name, values in samples.items()}, gbs
 
 
@@ -147,7 +81,7 @@ def memory_rows(model: InfMoEGPT, scratch: Path, k: int, threads: int, exported:
                                    **options).path
             measured = measure_child("ort", ExportedModel.read(path), None, PAST, threads, None)
             if "error" in measured:
-                sys.exit(f"bench_quant_model: memory of {precision} ({target}): {measured['error']}")
+                sys.exit(f"benchmarks.quant_model: memory of {precision} ({target}): {measured['error']}")
             rows.append({"target": target, "precision": precision,
                          "file_bytes": sum(f.stat().st_size for f in files_of(path)), **measured})
             print(f"memory {target} {precision}: file {rows[-1]['file_bytes'] / 2**20:.0f} MiB, peak RSS "
@@ -171,22 +105,21 @@ def main():
     parser.add_argument("--prefill-rounds", type=arguments.count(), default=2, help="interleaved prefill rounds per K")
     parser.add_argument("--memory", action="store_true",
                         help="also file size and peak RSS per precision and target, at the first K")
-    parser.add_argument("--json", default="runs/bench_quant_model.json", help="where to write the results")
+    parser.add_argument("--json", default=record.default_path("quant_model"), help="where to write the results")
     args = parser.parse_args()
     ks = args.k
     if custom_op_library() is None:
-        sys.exit("bench_quant_model: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+        sys.exit("benchmarks.quant_model: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
     torch.manual_seed(0)
     bandwidth = MatMulBandwidth(args.threads)
-    tokens = text_tokens(PREFILL)[None]
-    result = {"environment": environment(args.threads), "goals": GOALS,
+    result = {"goals": GOALS,
               "config": {"small": SMALL.to_dict(), "medium_dense": MEDIUM_DENSE.to_dict(), "past": PAST,
                          "prefill": PREFILL, "block_size": BLOCK, "threads": args.threads, "rounds": args.rounds,
                          "steps": args.steps, "prefill_rounds": args.prefill_rounds},
               "results": [], "memory": None}
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as scratch:
         scratch = Path(scratch)
-        peer = Decoder(dense_peer(scratch), args.threads)
+        peer = Decoder(dense_matmulnbits(scratch), args.threads)
         peer.prepare(PAST)
         small = InfMoEGPT(SMALL).eval()
         for k in ks:
@@ -194,7 +127,7 @@ def main():
                                     **options).path for p, options in PRECISIONS.items()}
             decoders = {p: Decoder(ExportedModel.read(path), args.threads) for p, path in paths.items()}
             nbits = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 1)), args.threads)
-            a8 = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 4)), args.threads, a8_options())
+            a8 = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 4)), args.threads, int8_activations())
             for decoder in [*decoders.values(), nbits, a8]:
                 decoder.prepare(PAST)
             a8_error = float(np.abs(a8.steps[PAST]()["logits"] - decoders["all-int4"].steps[PAST]()["logits"]).max())
@@ -202,7 +135,7 @@ def main():
                                               NBITS: nbits.steps[PAST], A8: a8.steps[PAST],
                                               "dense-medium-int4": peer.steps[PAST]},
                                              bandwidth, args.rounds, args.steps)
-            prefill, _ = interleaved_rounds({p: prefill_step(d, tokens) for p, d in decoders.items()}, bandwidth,
+            prefill, _ = interleaved_rounds({p: d.prefill_at(PREFILL) for p, d in decoders.items()}, bandwidth,
                                             args.prefill_rounds, 1)
             del decoders, nbits, a8
             row = summarise(small, k, decode, prefill, median(gbs))
@@ -213,7 +146,7 @@ def main():
                 result["memory"] = memory_rows(small, scratch, k, args.threads, paths)
             for path in paths.values():
                 path.unlink()
-            write_json(args.json, result)  # after every K, so a long run keeps what it measured
+            record.save(args.json, "quant_model", result, args.threads)  # after every K, so a long run keeps what it measured
     print_summary(result)
     print(f"results: {args.json}")
 

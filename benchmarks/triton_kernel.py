@@ -1,9 +1,9 @@
 """The Triton ContinuousSliceFFN / QContinuousSliceFFN kernels on a GPU: correctness, then batch-1
 decode bandwidth, per precision of the expert weights.
 
-    .venv/bin/python benchmarks/gpu_triton.py            # on a machine with a CUDA GPU
-    .venv/bin/python benchmarks/gpu_triton.py --interpret --tiny   # logic smoke test on a CPU
-    .venv/bin/python benchmarks/gpu_triton.py --weights int4 --block-size 64   # one precision
+    .venv/bin/python -m benchmarks.triton_kernel            # on a machine with a CUDA GPU
+    .venv/bin/python -m benchmarks.triton_kernel --interpret --tiny   # logic smoke test on a CPU
+    .venv/bin/python -m benchmarks.triton_kernel --weights int4 --block-size 64   # one precision
 
 Weights: float (the activations' type), int8 or int4 (SPEC §6, blocks of --block-size; scales in
 the activations' type), each with float32 and float16 activations.
@@ -24,7 +24,8 @@ the activations' type), each with float32 and float16 activations.
    caller pays) and "kernel" replays a CUDA graph of the same launch without the start check (the
    device's time, what a TensorRT engine pays); the target is judged on "kernel".
 
-Prints a table and one JSON line (prefix "JSON "). Exits 2 without a CUDA GPU, 1 if a check fails.
+Prints a table and one JSON line (prefix "JSON "), written to benchmarks/results/triton_kernel.json
+too (--json; an --interpret smoke test writes none unless asked). Exits 2 without a CUDA GPU, 1 if a check fails.
 """
 
 import argparse
@@ -33,8 +34,9 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
-import arguments
+from . import arguments, record
 
 
 def parse_args():
@@ -45,6 +47,8 @@ def parse_args():
     parser.add_argument("--weights", default="float,int8,int4", help="expert weights: float, int8, int4")
     parser.add_argument("--block-size", type=arguments.count(1, 1 << 16), default=32,
                         help="quantization block size (SPEC §6)")
+    parser.add_argument("--json", type=Path, help="where to write the results (default: "
+                        "benchmarks/results/triton_kernel.json on a GPU, nowhere with --interpret)")
     return parser.parse_args()
 
 
@@ -61,19 +65,19 @@ from infmoe_trt import kernel  # noqa: E402
 
 device = "cpu" if args.interpret else "cuda"
 if not args.interpret and not torch.cuda.is_available():
-    print("gpu_triton: no CUDA GPU visible to torch (this benchmark needs one; "
+    print("benchmarks.triton_kernel: no CUDA GPU visible to torch (this benchmark needs one; "
           "use --interpret --tiny for a CPU smoke test of its logic)", file=sys.stderr)
     sys.exit(2)
 D, H, R = (24, 96, 24) if args.tiny else (768, 6144, 1536)
 KS = args.ks
 WEIGHTS = args.weights.split(",")
 if set(WEIGHTS) - {"float", *BITS}:
-    sys.exit(f"gpu_triton: --weights takes float, int8, int4, got {args.weights!r}")
+    sys.exit(f"benchmarks.triton_kernel: --weights takes float, int8, int4, got {args.weights!r}")
 B = args.block_size
 try:
     check_block_size(B)
 except InfMoEError as error:
-    sys.exit(f"gpu_triton: --block-size: {error}")
+    sys.exit(f"benchmarks.triton_kernel: --block-size: {error}")
 
 
 def bench_ms(fn) -> float:
@@ -244,6 +248,9 @@ for dtype in (torch.float32, torch.float16):
 target_met = all(r["fraction_of_copy"] >= 0.70 for r in rows)
 print(f"\ntarget >= 70% of copy bandwidth (split kernel's device time, every K, dtype and weights): "
       f"{'met' if target_met else 'NOT met'}")
-print("JSON " + json.dumps({"gpu": gpu, "copy_gbs": copy_gbs, "layer": {"D": D, "H": H, "r": R, "block_size": B},
-                            "rows": rows, "target_met": target_met, "check_failures": failures}))
+result = {"gpu": gpu, "copy_gbs": copy_gbs, "layer": {"D": D, "H": H, "r": R, "block_size": B},
+          "rows": rows, "target_met": target_met, "check_failures": failures}
+print("JSON " + json.dumps(result))
+if args.json or not args.interpret:
+    record.save(args.json or record.default_path("triton_kernel"), "triton_kernel", result)
 sys.exit(1 if failures else 0)

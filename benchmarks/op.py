@@ -7,7 +7,7 @@ tokens) in tokens/s. Windows come from the quantile noise (SPEC §3) around a ra
 Each decode call uses a different layer's weights (12 copies, like a 12-layer model), so no
 weights are served from cache.
 
-    .venv/bin/python benchmarks/bench_op.py [--threads 2] [--json runs/bench_op.json]
+    .venv/bin/python -m benchmarks.op [--threads 2] [--json benchmarks/results/op.json]
 """
 
 import os
@@ -19,71 +19,30 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import pathlib
 import statistics
-import threading
-import time
 
 import numpy as np
 import onnxruntime as ort
 import torch
 
-import arguments
-from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts
 from infmoe_export.export.function import op_model
-from infmoe_export.files import write_json
+from infmoe_export.model import continuous_slice_ffn
+from infmoe_export.report.timing import cycling, memory_bandwidth, rounds
 from infmoe_export.runtimes import ort_kernel
 
-D, H, R, LAYERS = 768, 6144, 1536, 12
+from . import arguments, record
+from .shapes import D, H, LAYERS, R, layer_starts, union_rows
 
 
-def measure_bandwidth(threads: int, megabytes: int = 512, repeats: int = 5) -> float:
-    """GB/s of a large copy (bytes read + bytes written), split over `threads` threads."""
-    src = np.ones(megabytes * 2 ** 20 // 4, np.float32)
-    dst = np.empty_like(src)
-    parts = np.array_split(np.arange(src.size), threads)
-    bounds = [(p[0], p[-1] + 1) for p in parts]
-
-    def copy(lo, hi):
-        np.copyto(dst[lo:hi], src[lo:hi])  # releases the GIL
-
-    best = float("inf")
-    for _ in range(repeats):
-        workers = [threading.Thread(target=copy, args=b) for b in bounds]
-        start = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.nbytes / best / 1e9
-
-
-def make_starts(tokens: int, k: int, rng) -> np.ndarray:
-    mu = torch.from_numpy(rng.standard_normal((tokens, 1)).astype(np.float32))
-    return window_starts(mu + quantile_noise(k), H, R).numpy()  # sigma = 1
-
-
-def union_rows(starts: np.ndarray) -> float:
-    """Mean number of hidden units covered by a token's windows."""
-    covered = np.zeros((starts.shape[0], H + 1), np.int32)
-    for j in range(starts.shape[1]):
-        np.add.at(covered, (np.arange(starts.shape[0]), starts[:, j]), 1)
-        np.add.at(covered, (np.arange(starts.shape[0]), starts[:, j] + R), -1)
-    return float((np.cumsum(covered, axis=1)[:, :H] > 0).sum(axis=1).mean())
+def measure_bandwidth(threads: int) -> float:
+    """GB/s of a large copy (bytes read + bytes written) with `threads` threads."""
+    return memory_bandwidth(threads=threads)["copy_gbs"]
 
 
 def timed(calls: dict, layers: int, repeats: int) -> dict:
     """Median milliseconds per call of each runner, cycling over the layers' weights. The runners
     take turns call by call, so a change in machine load hits them all alike."""
-    for call in calls.values():
-        for i in range(layers):
-            call(i)
-    times = {name: [] for name in calls}
-    for i in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call(i % layers)
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    samples = rounds({name: cycling(call, layers) for name, call in calls.items()}, repeats, warmup=layers)
+    return {name: 1e3 * statistics.median(t) for name, t in samples.items()}
 
 
 def main():
@@ -92,12 +51,12 @@ def main():
                         help="intra-op threads (onnxruntime and torch)")
     parser.add_argument("--repeats", type=arguments.count(), default=48, help="decode calls per measurement")
     parser.add_argument("--prefill-tokens", type=arguments.count(1, 1 << 16), default=512)
-    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    parser.add_argument("--json", type=pathlib.Path, default=record.default_path("op"), help="write the results here")
     args = parser.parse_args()
 
     library = ort_kernel.custom_op_library()
     if library is None:
-        raise SystemExit("bench_op: the kernel library is not built (plugins/onnxruntime/build.sh)")
+        raise SystemExit("benchmarks.op: the kernel library is not built (plugins/onnxruntime/build.sh)")
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
@@ -137,7 +96,7 @@ def main():
     bandwidth = max(measure_bandwidth(1), measure_bandwidth(args.threads))
     decode = []
     for k in (1, 2, 4, 8):
-        starts = make_starts(1, k, rng).reshape(1, 1, k)
+        starts = layer_starts(1, k, rng).reshape(1, 1, k)
         x = rng.standard_normal((1, 1, D)).astype(np.float32)
         ms = timed(runners(x, starts), LAYERS, args.repeats)
         decode.append((k, union_rows(starts.reshape(1, k)), ms))
@@ -167,7 +126,7 @@ def main():
     print(f"\nprefill, {n} tokens")
     print(f"{'K':>2} {'mean rows':>9} {'kernel tok/s':>12} {'fallback':>9} {'torch':>8} {'x fallback':>10}")
     for k in (1, 2, 4, 8):
-        starts = make_starts(n, k, rng).reshape(1, n, k)
+        starts = layer_starts(n, k, rng).reshape(1, n, k)
         x = rng.standard_normal((1, n, D)).astype(np.float32)
         calls = runners(x, starts)
         rate = {name: n / (ms / 1e3) for name, ms in timed(calls, 1, 5).items()}
@@ -178,8 +137,7 @@ def main():
         print(f"{k:>2} {row['mean_union_rows']:>9.0f} {rate['kernel']:>12.0f} {rate['fallback']:>9.0f} "
               f"{rate['torch']:>8.0f} {row['speedup_vs_fallback']:>10.2f}")
 
-    if args.json:
-        print(f"\nwrote {write_json(args.json, results)}")
+    print(f"\nwrote {record.save(args.json, 'op', results, args.threads)}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
 """The expert op's streaming speed, float and quantized, beside onnxruntime's own MatMul, in one run
-(issue 16 item 3, issue 10's op-alone figures), on bench_op's GPT-2-Small-size layer (D 768,
+(issue 16 item 3, issue 10's op-alone figures), on the op benchmark's GPT-2-Small-size layer (D 768,
 H 6144, r 1536, 12 weight copies cycled so that weights come from memory).
 
 Decode (one token), K = 1, 2, 8, at 1 and 2 intra-op threads: the fp32, int8 and int4 op and a
 MatMul [1, 768] x [768, 12288] cycling over 12 weights (453 MB, each reused as seldom as the op's
-weights: with 4 weights, 151 MB, a 480 MiB L3 served part of them, 33.7 GB/s against 28.1 over
-604 MB or 1.8 GB at 2 threads, 17.4 against 16.3 at 1, on a Xeon, 2026-12-04), taking
-turns call by call (the order rotates every round) with an Identity node fed the op's six inputs:
-what a call costs onnxruntime and the Python binding (~50 us here), not the op. The op alone is
+weights: fewer would be served partly from a large L3), taking turns call by call (in a shuffled
+order every round) with an Identity node fed the op's six inputs: what a call costs onnxruntime
+and the Python binding, not the op. The op alone is
 each call minus that round's Identity call. Reported: raw medians, the op's net time and GB/s (the
 bytes it must read: the union rows of w_in and w_out with their scales, and b_in) and the ratios
 of net times in one round (op GB/s over MatMul GB/s, int4 speed over fp32 speed; raw speed ratios
@@ -17,15 +16,14 @@ node: a tiny op (H 16, r 1) against an Identity node fed the same six inputs, in
 their own, paired the same way. Prefill: 512 tokens, each quantized kernel's time over the fp32
 kernel's, paired the same way.
 
-    .venv/bin/python benchmarks/bench_qop.py [--rounds 200] [--pool shared|session] [--json runs/bench_qop.json]
+    .venv/bin/python -m benchmarks.qop [--rounds 200] [--pool shared|session] [--json benchmarks/results/qop.json]
 
 Thread pools (--pool): `shared` (default) runs every session of a thread count on one process-wide
 pool (onnxruntime's global intra-op pool; one child process per thread count), whose threads spin
 between calls as onnxruntime's do by default: what each node of a model sees, its nodes running
 back to back on one session's pool. `session`: a pool per session that never spins
 (session.intra_op.allow_spinning = 0; spinning pools would steal the two cores from the next
-session's call), so every 2-thread call pays the wake-up of its second thread (tens of us; the
-int4 op at K = 1 took longer with 2 threads than with 1 this way).
+session's call), so every 2-thread call pays the wake-up of its second thread (tens of us).
 """
 
 import argparse
@@ -36,22 +34,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 import onnxruntime as ort
-import onnxruntime.capi._pybind_state as ort_state
 import torch
 from onnx import TensorProto, helper
 
-import arguments
-from bench_op import D, H, LAYERS, R, make_starts, union_rows
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, n_blocks, packed_columns
-from infmoe_export.files import write_json
-from infmoe_export.runtimes import ort_kernel
+from infmoe_export.report.timing import cycling, paired_ratio, rounds
 
-BLOCK = 32
+from . import arguments, record
+from .sessions import op_session as session, use_shared_pool
+from .shapes import BLOCK, D, H, LAYERS, R, layer_starts, union_rows
+
 MATMUL_N, MATMUL_COPIES = 12288, LAYERS  # the same reuse distance as the op's weights
 PRECISIONS = ("fp32", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -62,29 +58,6 @@ def row_bytes(precision: str) -> int:
     if precision == "fp32":
         return 2 * D * 4 + 4
     return 2 * (packed_columns(D, BITS[precision]) + n_blocks(D, BLOCK) * 4) + 4
-
-
-_shared_pool_threads = None  # set by use_shared_pool
-
-
-def use_shared_pool(threads: int):
-    """From here on, sessions run on onnxruntime's global pool of `threads` threads (spinning
-    between calls, as by default). Once per process, before the first session."""
-    global _shared_pool_threads
-    ort_state.set_global_thread_pool_sizes(threads, 1)
-    _shared_pool_threads = threads
-
-
-def session(model, threads: int, kernel: bool = True):
-    options = ort.SessionOptions()
-    if _shared_pool_threads is None:
-        options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    else:  # use_shared_pool's global pool (main sets it to `threads`)
-        options.use_per_session_threads = False
-    if kernel and not ort_kernel.register(options):
-        raise SystemExit("bench_qop: the kernel library is not built")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def matmul_model():
@@ -108,24 +81,6 @@ def layers(rng, h: int, copies: int):
         out.append({p: {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy())) for n, v in f.items()}
                     for p, f in feeds.items()})
     return out
-
-
-def interleaved(calls: dict, rounds: int) -> dict:
-    """Seconds per call of each runner, per round; the runners take turns, the order rotating."""
-    names = list(calls)
-    for name in names:
-        calls[name](0)
-    times = {name: [] for name in names}
-    for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.perf_counter()
-            calls[name](i)
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def median_ratio(a, b):
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def print_targets(results):
@@ -152,9 +107,10 @@ def per_thread_count(args, thread_counts):
     with tempfile.TemporaryDirectory() as tmp:
         for threads in thread_counts:
             out = pathlib.Path(tmp) / f"{threads}.json"
-            subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--prefill-rounds",
+            subprocess.run([sys.executable, "-m", __name__, "--rounds", str(args.rounds), "--prefill-rounds",
                             str(args.prefill_rounds), "--prefill-tokens", str(args.prefill_tokens), "--k", ",".join(map(str, args.k)),
-                            "--threads", str(threads), "--json", str(out), "--child"], check=True)
+                            "--threads", str(threads), "--json", str(out), "--child"], check=True,
+                           cwd=pathlib.Path(__file__).resolve().parent.parent)
             results = json.loads(out.read_text())
             if merged is None:
                 merged = results
@@ -172,15 +128,14 @@ def main():
     parser.add_argument("--threads", type=arguments.threads, default="1,2")
     parser.add_argument("--k", type=arguments.ks, default="1,2,8")
     parser.add_argument("--pool", choices=("shared", "session"), default="shared")
-    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    parser.add_argument("--json", type=pathlib.Path, default=record.default_path("qop"), help="write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # per_thread_count's run
     args = parser.parse_args()
     thread_counts = args.threads
     if args.pool == "shared" and len(thread_counts) > 1:
         results = per_thread_count(args, thread_counts)
         print_targets(results)
-        if args.json:
-            print(f"\nwrote {write_json(args.json, results)}")
+        print(f"\nwrote {record.save(args.json, 'qop', results)}")
         return
     if args.pool == "shared":
         use_shared_pool(thread_counts[0])
@@ -208,18 +163,20 @@ def main():
               f"{'fp32 GB/s':>9} {'int8':>6} {'int4':>6} {'MatMul':>6} | {'fp32/MM':>7} {'int8/MM':>7} "
               f"{'int4/MM':>7} | {'int4 x':>6} {'int8 x':>6} | {'raw int4 x':>6} {'int8 x':>6}")
         for k in args.k:
-            starts = make_starts(1, k, rng).reshape(1, 1, k)
+            starts = layer_starts(1, k, rng).reshape(1, 1, k)
             rows = union_rows(starts.reshape(1, k))
             x, s = (ort.OrtValue.ortvalue_from_numpy(v) for v in (rng.standard_normal((1, 1, D)).astype(np.float32), starts))
 
             def op(precision):
-                return lambda i: ops[precision].run_with_ort_values(
-                    ["Y"], dict(X=x, starts=s, **weights[i % LAYERS][precision]))
+                return cycling(lambda i: ops[precision].run_with_ort_values(
+                    ["Y"], dict(X=x, starts=s, **weights[i][precision])), LAYERS)
 
             calls = {p: op(p) for p in PRECISIONS}
-            calls["matmul"] = lambda i: matmul.run_with_ort_values(["Y"], dict(X=matmul_x, W=matmul_w[i % MATMUL_COPIES]))
-            calls["call"] = lambda i: identity.run_with_ort_values(["Y"], dict(X=x, starts=s, **weights[i % LAYERS]["fp32"]))
-            t = interleaved(calls, args.rounds)
+            calls["matmul"] = cycling(lambda i: matmul.run_with_ort_values(["Y"], dict(X=matmul_x, W=matmul_w[i])),
+                                      MATMUL_COPIES)
+            calls["call"] = cycling(lambda i: identity.run_with_ort_values(["Y"], dict(X=x, starts=s, **weights[i]["fp32"])),
+                                    LAYERS)
+            t = rounds(calls, args.rounds)
             net = {n: [a - b for a, b in zip(v, t["call"])] for n, v in t.items() if n != "call"}
             mm_bytes = D * MATMUL_N * 4
             gb_s = {p: [rows * row_bytes(p) / v / 1e9 for v in net[p]] for p in PRECISIONS}
@@ -228,9 +185,9 @@ def main():
                        us={n: 1e6 * statistics.median(v) for n, v in t.items()},
                        net_us={n: 1e6 * statistics.median(v) for n, v in net.items()},
                        gb_s={n: statistics.median(v) for n, v in gb_s.items()},
-                       vs_matmul={p: median_ratio(gb_s[p], gb_s["matmul"]) for p in PRECISIONS},
-                       speed_vs_fp32={p: median_ratio(net["fp32"], net[p]) for p in BITS},
-                       raw_speed_vs_fp32={p: median_ratio(t["fp32"], t[p]) for p in BITS})
+                       vs_matmul={p: paired_ratio(gb_s[p], gb_s["matmul"]) for p in PRECISIONS},
+                       speed_vs_fp32={p: paired_ratio(net["fp32"], net[p]) for p in BITS},
+                       raw_speed_vs_fp32={p: paired_ratio(t["fp32"], t[p]) for p in BITS})
             results["decode"].append(row)
             us, g, v, x32, raw = row["net_us"], row["gb_s"], row["vs_matmul"], row["speed_vs_fp32"], row["raw_speed_vs_fp32"]
             print(f"{k:>2} {rows:>5.0f} | {us['fp32']:>8.1f} {us['int8']:>8.1f} {us['int4']:>8.1f} {us['matmul']:>9.1f} "
@@ -241,8 +198,8 @@ def main():
         # Fixed cost: a tight loop of the tiny op and the Identity taking turns, paired differences.
         x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, 1, D)).astype(np.float32))
         feeds = dict(X=x, starts=ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 1), np.int64)), **tiny)
-        t = interleaved({"tiny": lambda i: tiny_op.run_with_ort_values(["Y"], feeds),
-                         "identity": lambda i: identity.run_with_ort_values(["Y"], feeds)}, 20 * args.rounds)
+        t = rounds({"tiny": lambda: tiny_op.run_with_ort_values(["Y"], feeds),
+                    "identity": lambda: identity.run_with_ort_values(["Y"], feeds)}, 20 * args.rounds)
         fixed = dict(threads=threads, tiny_us=1e6 * statistics.median(t["tiny"]),
                      identity_us=1e6 * statistics.median(t["identity"]),
                      per_node_us=1e6 * statistics.median(a - b for a, b in zip(t["tiny"], t["identity"])))
@@ -257,22 +214,21 @@ def main():
         print(f"{'K':>2} | {'fp32 ms':>8} {'int8 ms':>8} {'int4 ms':>8} | {'int8/fp32':>9} {'int4/fp32':>9}")
         for k in args.k:
             x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, n, D)).astype(np.float32))
-            s = ort.OrtValue.ortvalue_from_numpy(make_starts(n, k, rng).reshape(1, n, k))
+            s = ort.OrtValue.ortvalue_from_numpy(layer_starts(n, k, rng).reshape(1, n, k))
 
             def prefill(precision):
-                return lambda i: ops[precision].run_with_ort_values(["Y"], dict(X=x, starts=s, **weights[0][precision]))
+                return lambda: ops[precision].run_with_ort_values(["Y"], dict(X=x, starts=s, **weights[0][precision]))
 
-            t = interleaved({p: prefill(p) for p in PRECISIONS}, args.prefill_rounds)
+            t = rounds({p: prefill(p) for p in PRECISIONS}, args.prefill_rounds)
             row = dict(threads=threads, k=k, tokens=n, ms={p: 1e3 * statistics.median(v) for p, v in t.items()},
-                       time_vs_fp32={p: median_ratio(t[p], t["fp32"]) for p in BITS})
+                       time_vs_fp32={p: paired_ratio(t[p], t["fp32"]) for p in BITS})
             results["prefill"].append(row)
             ms, r32 = row["ms"], row["time_vs_fp32"]
             print(f"{k:>2} | {ms['fp32']:>8.1f} {ms['int8']:>8.1f} {ms['int4']:>8.1f} | {r32['int8']:>9.2f} {r32['int4']:>9.2f}")
 
     if not args.child:
         print_targets(results)
-    if args.json:
-        print(f"\nwrote {write_json(args.json, results)}")
+    print(f"\nwrote {record.save(args.json, 'qop', results)}")
 
 
 if __name__ == "__main__":
