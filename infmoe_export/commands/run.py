@@ -2,6 +2,7 @@
 it; the bundled model is exported once into a cache."""
 
 import codecs
+import json
 import os
 import shutil
 import sys
@@ -12,12 +13,11 @@ from typing import Optional
 import click
 
 from .. import __version__
-from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint
+from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config
 from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
-from ..options import SEED
+from ..options import SEED, ExportChoice, choices_from_flags, export_choice_options, export_choices
 from ..export import DEFAULT_OPSET, export_onnx
-from ..export.ort_target import fits_onnxruntime
 from ..files import sha256
 from ..runtimes.generate import check_request, generate
 from ..runtimes.ort import OrtRunner
@@ -29,24 +29,27 @@ def cache_dir() -> Path:
     return Path(base) / "infmoe-export"
 
 
-def cached_export(checkpoint: Optional[Path] = None, k: Optional[int] = None) -> ExportedModel:
-    """The checkpoint exported for onnxruntime (the portable graph when its head_dim does not fit
-    GroupQueryAttention), from the cache or exported and validated now.
-    Keyed by a hash of the checkpoint files and the options, so a new checkpoint or exporter
-    version gets a new entry. An entry is exported and validated in a staging folder and renamed
-    into place only then, so an interrupted or failed run never leaves a model in the cache."""
+def cached_export(checkpoint: Optional[Path] = None, k: Optional[int] = None,
+                  choice: Optional[ExportChoice] = None) -> ExportedModel:
+    """The checkpoint exported as choice says (default: export_choices' default, fp32 for
+    onnxruntime), from the cache or exported and validated now.
+    Keyed by a hash of the checkpoint files and the options, so a new checkpoint, choice or
+    exporter version gets a new entry. An entry is exported and validated in a staging folder and
+    renamed into place only then, so an interrupted or failed run never leaves a model in the cache."""
     checkpoint = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     model = load_checkpoint(checkpoint)  # validates it, and names the problem if it is not one
-    target = "onnxruntime" if fits_onnxruntime(model.config) else "portable"
+    choice = choice or export_choices(model.config)[0]
+    options = json.dumps(choice.options(), sort_keys=True)
     key = sha256(checkpoint / CONFIG_FILE, checkpoint / WEIGHTS_FILE,
-                 prefix=f"{__version__} k={k} opset={DEFAULT_OPSET} target={target}".encode())
+                 prefix=f"{__version__} k={k} opset={DEFAULT_OPSET} {options}".encode())
     entry = cache_dir() / key[:20]
     if not (entry / "model.onnx").is_file():
-        click.echo(f"exporting {checkpoint} into the cache {entry} (once)", err=True)
+        why = f"; {choice.note}" if choice.note else ""
+        click.echo(f"exporting {checkpoint} ({choice.label}{why}) into the cache {entry} (once)", err=True)
         entry.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         try:
-            validate_onnx(model, export_onnx(model, staging / "model.onnx", k=k, target=target).path)
+            validate_onnx(model, export_onnx(model, staging / "model.onnx", k=k, **choice.options()).path)
             os.rename(staging, entry)  # fails if another process published it first: keep theirs
         except OSError:
             pass
@@ -77,6 +80,7 @@ def engine_runner(engines: Path, k: Optional[int]):
               help="Without --model: the checkpoint to export (default: the bundled model).")
 @click.option("--k", type=int, default=None,
               help="Without --model: the expert budget to export (with --engines: the engine to run).")
+@export_choice_options(deployments=("onnxruntime", "portable"))
 @click.option("--prompt", required=True, help="The text to continue.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Always the most likely byte (the default without --temperature/--top-k).")
@@ -86,18 +90,22 @@ def engine_runner(engines: Path, k: Optional[int]):
 @click.option("--no-kernel", is_flag=True, help="Run ContinuousSliceFFN on the fallback function.")
 @click.option("--engines", type=click.Path(path_type=Path), default=None,
               help="Run a TensorRT engine from this folder (`infmoe-export trt`) instead; --k picks the engine.")
-def run_command(model_path, checkpoint, k, prompt, max_new_tokens, greedy, temperature, top_k, seed, no_kernel,
-                engines):
-    """Generate text from an ONNX model in onnxruntime (or a TensorRT engine), streaming it as it comes."""
+def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_size, prompt, max_new_tokens, greedy,
+                temperature, top_k, seed, no_kernel, engines):
+    """Generate text from an ONNX model in onnxruntime (or a TensorRT engine), streaming it as it comes.
+    Without --model, the checkpoint exported as --for and --dtype say (default: onnxruntime, fp32),
+    once, into a cache."""
+    chosen = any(value is not None for value in (deploy, dtype, quantize_other, block_size))
     if greedy and (temperature is not None or top_k is not None):
         raise InfMoEError("--greedy cannot be combined with --temperature or --top-k")
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
-    if model_path is not None and (checkpoint is not None or k is not None):
-        raise InfMoEError("--checkpoint and --k choose what to export; they cannot be combined with --model")
-    if engines is not None and (model_path is not None or checkpoint is not None or no_kernel):
-        raise InfMoEError("--engines runs a TensorRT engine; it cannot be combined with --model, --checkpoint "
-                          "or --no-kernel")
+    if model_path is not None and (checkpoint is not None or k is not None or chosen):
+        raise InfMoEError("--checkpoint, --k, --for, --dtype, --quantize-other and --block-size choose what to "
+                          "export; they cannot be combined with --model")
+    if engines is not None and (model_path is not None or checkpoint is not None or no_kernel or chosen):
+        raise InfMoEError("--engines runs a TensorRT engine; it cannot be combined with --model, --checkpoint, "
+                          "--no-kernel or the export choice (--for, --dtype, --quantize-other, --block-size)")
     sampling = temperature is not None or top_k is not None
     temperature = 1.0 if temperature is None else temperature
     # The prompt's own bytes: a byte-level model takes any, UTF-8 or not (click hands over
@@ -105,8 +113,13 @@ def run_command(model_path, checkpoint, k, prompt, max_new_tokens, greedy, tempe
     prompt_ids = os.fsencode(prompt)
     if engines is not None:
         runner = engine_runner(engines, k)
+    elif model_path is not None:
+        model = ExportedModel.read(model_path)
     else:
-        model = ExportedModel.read(model_path) if model_path is not None else cached_export(checkpoint, k)
+        config = read_config(checkpoint if checkpoint is not None else DEFAULT_CHECKPOINT)
+        choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size)
+        model = cached_export(checkpoint, k, choice)
+    if engines is None:
         runner = OrtRunner(model.io, model, kernel=not no_kernel)
     check_request(runner.io, prompt_ids, max_new_tokens, greedy=not sampling, temperature=temperature, top_k=top_k)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
