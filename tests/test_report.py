@@ -283,27 +283,54 @@ def test_tradeoff_has_every_backend_noise_and_k(setup):
         assert r["perplexity"] > 1 and r["decode_ms"]["median"] > 0 and r["prefill_tokens_per_s"] > 0
         assert r["parity"] == "reference" and r["perplexity_increase"] == 0.0 and r["dtype"] == "fp32"
     best = setup["report"]["recommendation"]
-    # Among quantile-noise rows (the deployment mode, what the chart shows) that passed.
+    # Among quantile-noise rows (the deployment mode, what the chart shows) that passed: the front,
+    # fastest first, each point faster than the next and more accurate than the one before.
     fit = [r for r in rows if r["parity"] in ("pass", "reference") and r["decode_ms"] and r["noise"] == "quantile"]
-    fastest = min(fit, key=lambda r: r["decode_ms"]["median"])
-    tied = [r for r in fit if r is fastest or within_noise(r["decode_ms"], fastest["decode_ms"])]
-    chosen = min(tied, key=lambda r: r["perplexity"])
-    assert (best["backend"], best["k"], best["noise"], best["dtype"]) == (chosen["backend"], chosen["k"], chosen["noise"], chosen["dtype"])
-    assert len(best["within_noise"]) == len(tied) - 1
+    front = best["front"]
+    assert {p["label"] for p in front} <= {f"{r['backend']} {r['dtype']} K={r['k']} {r['noise']}" for r in fit}
+    for a, b in zip(front, front[1:]):
+        assert a["decode_ms"]["median"] <= b["decode_ms"]["median"] and a["perplexity"] > b["perplexity"]
+    assert best["best_perplexity"] == min(r["perplexity"] for r in fit) == front[-1]["perplexity"]
+    assert best["perplexity_bound"] == pytest.approx(best["best_perplexity"] * 1.02)
+    assert best["perplexity"] <= best["perplexity_bound"]
+    assert not any(r["decode_ms"]["median"] < best["decode_ms"]["median"] and r["perplexity"] <= best["perplexity"]
+                   for r in fit)  # nothing beats it on both axes
 
 
-def test_recommendation_prefers_accuracy_among_latency_ties():
-    from infmoe_export.report.tradeoff import recommendation
+def front_row(k, ppl, median, low, high, parity="pass"):
+    return {"backend": "ort", "dtype": "fp32", "noise": "quantile", "k": k, "perplexity": ppl, "parity": parity,
+            "decode_ms": {"median": median, "ci_low": low, "ci_high": high}}
 
-    def row(k, ppl, median, low, high, parity="pass"):
-        return {"backend": "ort", "dtype": "fp32", "noise": "quantile", "k": k, "perplexity": ppl, "parity": parity,
-                "decode_ms": {"median": median, "ci_low": low, "ci_high": high}}
-    rows = [row(1, 6.9, 1.00, 0.90, 1.10), row(8, 4.9, 1.05, 0.95, 1.20), row(2, 5.2, 2.0, 1.9, 2.1),
-            row(4, 4.0, 1.0, 0.9, 1.1, parity="fail")]
-    best = recommendation(rows)
-    assert best["best"]["k"] == 8 and [r["k"] for r in best["within_noise"]] == [1]
+
+def test_recommendation_is_the_fastest_front_point_within_the_quality_budget():
+    from infmoe_export.report.tradeoff import pareto_front, recommendation
+
+    rows = [front_row(1, 6.29, 1.00, 0.90, 1.10), front_row(8, 4.76, 1.05, 0.95, 1.20),
+            front_row(2, 5.04, 2.0, 1.9, 2.1), front_row(4, 4.0, 0.5, 0.4, 0.6, parity="fail")]
+    assert [r["k"] for r in pareto_front(rows[:3])] == [1, 8]  # K=2 is slower and worse than K=8
+    best = recommendation(rows)  # 2%: only K=8 is within the budget; the failed K=4 never counts
+    assert best["best"]["k"] == 8 and best["within_noise"] == [] and best["best_perplexity"] == 4.76
+    assert [r["k"] for r in best["front"]] == [1, 8]
+    # A wider budget takes the faster K=1, unless K=8 is within its noise: then accuracy decides.
+    assert recommendation(rows, quality_budget=0.5)["best"]["k"] == 8
+    assert [r["k"] for r in recommendation(rows, quality_budget=0.5)["within_noise"]] == [1]
     rows[1]["decode_ms"] = {"median": 1.5, "ci_low": 1.4, "ci_high": 1.6}  # now measurably slower
-    assert recommendation(rows)["best"]["k"] == 1
+    assert recommendation(rows, quality_budget=0.5)["best"]["k"] == 1
+    assert recommendation(rows)["best"]["k"] == 8  # still the only one within 2%
+    assert recommendation([front_row(1, 5.0, 1.0, 0.9, 1.1, parity="fail")]) is None
+
+
+def test_report_shows_why_it_recommends(setup, tmp_path):
+    report = build_report("pipeline", "test", "ckpt", CONFIG.to_dict(), environment(1),
+                          parity=setup["report"]["parity"], bench=setup["report"]["bench"], quality_budget=0.5)
+    best = report["recommendation"]
+    assert best["quality_budget"] == 0.5
+    assert best["perplexity_bound"] == pytest.approx(1.5 * best["best_perplexity"])
+    markdown = write_report(report, tmp_path / "out")["markdown"].read_text()
+    assert "the fastest on the Pareto front within the quality budget" in markdown
+    assert "**Why: the Pareto front and the quality budget**" in markdown
+    assert f"the best measured ({best['best_perplexity']:.3f}) +50%" in markdown
+    assert markdown.count("| recommended |") == 1
 
 
 def test_verdict_lines_per_backend_and_precision(setup):

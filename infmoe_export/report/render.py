@@ -24,9 +24,9 @@ from ..quant import PRECISIONS
 from ..runtimes.registry import BACKENDS
 from ..verify.parity import failures, label
 from .timing import within_noise
-from .tradeoff import baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
+from .tradeoff import DEFAULT_QUALITY_BUDGET, baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TEXT_COLUMNS = {"note", "versions", "kernel library", "CPU", "checkpoint", "reason"}
 PLOT_FILE = "tradeoff.png"
 PLOT_ALT = "Pareto chart: perplexity against decode latency per backend, precision and K"
@@ -111,12 +111,13 @@ def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
 def build_report(kind: str, command: str, checkpoint: str, config: dict, environment: dict, *,
                  parity: Optional[dict] = None, bench: Optional[dict] = None, memory: Optional[dict] = None,
                  baselines: Optional[List[dict]] = None, stages: Optional[list] = None,
-                 notes: Optional[list] = None) -> dict:
+                 notes: Optional[list] = None, quality_budget: float = DEFAULT_QUALITY_BUDGET) -> dict:
     """The report dict of schema.json; passed is False when any parity row failed. baselines:
-    baselines.prepare_baselines' facts, completed here with their timed latency."""
+    baselines.prepare_baselines' facts, completed here with their timed latency; quality_budget:
+    the recommendation's (tradeoff.recommendation)."""
     failed = failures(parity)
     tradeoff = tradeoff_rows(parity, bench) if (parity or bench) else None
-    best = recommendation(tradeoff or [])
+    best = recommendation(tradeoff or [], quality_budget)
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
@@ -131,7 +132,11 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "recommendation": None if best is None else {
             **{key: best["best"][key] for key in ("backend", "dtype", "noise", "k", "perplexity",
                                                    "perplexity_increase", "decode_ms")},
-            "within_noise": [label(r) for r in best["within_noise"]]},
+            "within_noise": [label(r) for r in best["within_noise"]],
+            "quality_budget": quality_budget, "best_perplexity": best["best_perplexity"],
+            "perplexity_bound": best["perplexity_bound"],
+            "front": [{"label": label(r), "perplexity": r["perplexity"], "decode_ms": r["decode_ms"]}
+                      for r in best["front"]]},
         "stages": stages or [],
         "parity": parity,
         "bench": bench,
@@ -332,9 +337,36 @@ def baselines_table(report: dict) -> Table:
                  "interleaved loop as the ∞-MoE configurations; perplexity on the same text.")
 
 
+def front_table(report: dict) -> Table:
+    """Why the recommendation: the Pareto front, each point against the quality budget."""
+    best = report["recommendation"]
+    chosen = label(best)
+
+    def choice(point):
+        if point["label"] == chosen:
+            return "recommended"
+        if point["label"] in best["within_noise"]:
+            return "within noise of the fastest, less accurate"
+        return "over the budget" if point["perplexity"] > best["perplexity_bound"] else "slower"
+
+    front = best["front"]
+    return Table("Why: the Pareto front and the quality budget",
+                 ["configuration", "decode ms [95% CI]", "perplexity", "vs best", "choice"],
+                 [[p["label"], interval(p["decode_ms"]), ppl(p["perplexity"]),
+                   signed_pct(p["perplexity"] / best["best_perplexity"] - 1), choice(p)] for p in front],
+                 [False] * len(front),
+                 "The front: configurations that passed parity and that no other beats on both batch-1 decode latency "
+                 f"and perplexity. The quality budget: perplexity at most {ppl(best['perplexity_bound'])}, the best "
+                 f"measured ({ppl(best['best_perplexity'])}) +{100 * best['quality_budget']:g}% (--quality-budget). "
+                 "Recommended: the fastest point within it; where others within it are within noise of the "
+                 "fastest, the most accurate of them.")
+
+
 def sections(report: dict) -> List[Section]:
     """Everything below the verdict, recommendation and chart, in the order every rendering uses."""
     top = []
+    if report["recommendation"]:
+        top.append(front_table(report))
     if report["tradeoff"]:
         top.append(tradeoff_table(report))
     if report["memory"]:
@@ -362,13 +394,14 @@ def recommendation_line(report: dict) -> Optional[str]:
     best = report["recommendation"]
     if best is None:
         return None
-    text = (f"Recommended (fastest within the parity budget, then most accurate within noise): {label(best)}, "
-            f"{interval(best['decode_ms'])} ms per decode "
-            f"step, perplexity {ppl(best['perplexity'])} ({signed_pct(best['perplexity_increase'])} vs float).")
+    text = (f"Recommended: {label(best)}, {interval(best['decode_ms'])} ms per decode step, perplexity "
+            f"{ppl(best['perplexity'])} ({signed_pct(best['perplexity_increase'])} vs float): the fastest on the "
+            f"Pareto front within the quality budget, perplexity ≤ {ppl(best['perplexity_bound'])} (the best "
+            f"measured +{100 * best['quality_budget']:g}%).")
     others = best["within_noise"]
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        text += f" Within noise of it: {', '.join(others[:3])}{more}."
+        text += f" Within noise of it, less accurate: {', '.join(others[:3])}{more}."
     return text
 
 
@@ -459,7 +492,7 @@ def write_report(report: dict, out: Path) -> dict:
     paths = {}
     plot = None
     if report["tradeoff"] and any(r["perplexity"] is not None and r["decode_ms"] for r in report["tradeoff"]):
-        plot = plot_tradeoff(report["tradeoff"], report["baselines"])
+        plot = plot_tradeoff(report["tradeoff"], report["baselines"], report["recommendation"])
         paths["plot"] = atomic_write(out / PLOT_FILE, plot)
     paths["json"] = atomic_write(out / "report.json", json.dumps(report, indent=2, allow_nan=False) + "\n")
     paths["markdown"] = atomic_write(out / "report.md", to_markdown(report, PLOT_FILE if plot else None))
@@ -468,8 +501,8 @@ def write_report(report: dict, out: Path) -> dict:
 
 
 def print_summary(console, report: dict) -> None:
-    """The terminal in the report's order: headline and verdict lines, the recommendation, then
-    the compact trade-off table."""
+    """The terminal in the report's order: headline and verdict lines, the recommendation and why,
+    then the compact trade-off and memory tables."""
     from rich.markup import escape
 
     styles = {"passed": "green", "failed": "bold red", "skipped": "dim"}
@@ -480,6 +513,7 @@ def print_summary(console, report: dict) -> None:
     best = recommendation_line(report)
     if best:
         console.print(escape(best), style="bold")
+        console.print(rich_table(front_table(report)))
     if report["tradeoff"]:
         console.print(rich_table(tradeoff_table(report)))
     if report["memory"]:

@@ -58,18 +58,37 @@ def baseline_rows(bench: Optional[dict], facts: List[dict]) -> List[dict]:
              if f["name"] in timed else None} for f in facts]
 
 
-def recommendation(rows: List[dict]) -> Optional[dict]:
+DEFAULT_QUALITY_BUDGET = 0.02  # a perplexity within 2% of the best the run measured counts as as good
+
+
+def pareto_front(rows: List[dict]) -> List[dict]:
+    """The rows no other row beats on both batch-1 decode latency (median) and perplexity,
+    fastest first."""
+    def point(r):
+        return r["decode_ms"]["median"], r["perplexity"]
+
+    return sorted((r for r in rows if not any(point(o) != point(r) and point(o)[0] <= point(r)[0]
+                                              and point(o)[1] <= point(r)[1] for o in rows)), key=point)
+
+
+def recommendation(rows: List[dict], quality_budget: float = DEFAULT_QUALITY_BUDGET) -> Optional[dict]:
     """Among the charted configurations that passed parity (or are the PyTorch reference): of the
-    fastest batch-1 decode and those within noise of it, the lowest perplexity — when latency
-    cannot tell them apart, accuracy decides (a cheaper K that measures no faster buys nothing) —
-    and the others within noise of the fastest."""
+    Pareto front's points within the quality budget (perplexity at most 1 + quality_budget times
+    the best measured), the fastest batch-1 decode; of it and those within noise of it, the
+    lowest perplexity (a speed the noise cannot tell apart buys nothing). With the front, the
+    budget and the bound, so that a report can show why."""
     fit = [r for r in chart_rows(rows) if r["parity"] in ("pass", "reference")]
     if not fit:
         return None
-    fastest = min(fit, key=lambda r: r["decode_ms"]["median"])
-    tied = [r for r in fit if r is fastest or within_noise(r["decode_ms"], fastest["decode_ms"])]
+    front = pareto_front(fit)
+    best_perplexity = min(r["perplexity"] for r in fit)
+    bound = best_perplexity * (1 + quality_budget)
+    within = [r for r in front if r["perplexity"] <= bound]
+    fastest = within[0]  # the front is sorted fastest first
+    tied = [r for r in within if r is fastest or within_noise(r["decode_ms"], fastest["decode_ms"])]
     best = min(tied, key=lambda r: (r["perplexity"], r["decode_ms"]["median"]))
-    return {"best": best, "within_noise": [r for r in tied if r is not best]}
+    return {"best": best, "within_noise": [r for r in tied if r is not best], "front": front,
+            "quality_budget": quality_budget, "best_perplexity": best_perplexity, "perplexity_bound": bound}
 
 
 def chart_rows(rows: List[dict]) -> List[dict]:
@@ -79,11 +98,12 @@ def chart_rows(rows: List[dict]) -> List[dict]:
     return quantile or drawable
 
 
-def plot_tradeoff(rows: List[dict], baselines: List[dict]) -> bytes:
+def plot_tradeoff(rows: List[dict], baselines: List[dict], recommended: Optional[dict] = None) -> bytes:
     """PNG, the Pareto chart: perplexity over batch-1 decode latency (median, its interval as a
     horizontal bar), a colour per backend, a marker per precision, a line over K per (backend,
-    precision) drawn dotted where two neighbouring K are within noise; the configurations no other
-    beats on both axes ringed; dense baselines as grey stars."""
+    precision) drawn dotted where two neighbouring K are within noise; dense baselines as grey
+    stars. With the report's recommendation: its Pareto front ringed, the quality budget's bound
+    as a dashed line, and the recommended configuration ringed in red."""
     try:
         import matplotlib
     except ImportError:
@@ -109,13 +129,14 @@ def plot_tradeoff(rows: List[dict], baselines: List[dict]) -> bytes:
                       color=colours[backend], linestyle=":" if b["decode_within_noise"] else "-", linewidth=1)
         for r, xi, yi in zip(series, x, y):
             axis.annotate(f"K={r['k']}", (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    front = [r for r in shown if not any(o["decode_ms"]["median"] <= r["decode_ms"]["median"]
-                                         and o["perplexity"] <= r["perplexity"] and o is not r
-                                         and (o["decode_ms"]["median"], o["perplexity"]) !=
-                                         (r["decode_ms"]["median"], r["perplexity"]) for o in shown)]
-    if front:
+    if recommended:
+        front = recommended["front"]
         axis.scatter([r["decode_ms"]["median"] for r in front], [r["perplexity"] for r in front], s=160,
                      facecolors="none", edgecolors="black", linewidths=1, label="Pareto front")
+        axis.axhline(recommended["perplexity_bound"], color="black", linestyle="--", linewidth=0.8,
+                     label=f"quality budget: best +{100 * recommended['quality_budget']:g}%")
+        axis.scatter([recommended["decode_ms"]["median"]], [recommended["perplexity"]], s=320, facecolors="none",
+                     edgecolors="red", linewidths=2, label="recommended")
     for i, b in enumerate(b for b in baselines if b["decode_ms"]):
         axis.scatter([b["decode_ms"]["median"]], [b["perplexity"]], marker="*", s=140, color="dimgray",
                      label="baseline" if i == 0 else None)
