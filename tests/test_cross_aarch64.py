@@ -14,7 +14,7 @@ import sys
 import pytest
 
 PLUGIN = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "onnxruntime"
-SCRIPT = PLUGIN / "cross_test.sh"
+SCRIPT = PLUGIN / "tools" / "cross_test.sh"
 WRITER = PLUGIN / "tests" / "write_reference.py"
 KINDS = {"ffn", "refuse", "qffn", "qmatmul", "attn", "starts", "steps"}  # write_reference.py's kinds of case
 

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "continuous_slice_ffn_cuda.h"
+#include "ops/continuous_slice_ffn/cuda.h"
 
 namespace {
 

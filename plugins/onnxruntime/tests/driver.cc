@@ -31,11 +31,15 @@
 #include <utility>
 #include <vector>
 
-#include "continuous_slice_ffn.h"
+#include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
+#include "ops/decoder_attention/decoder_attention.h"
+#include "ops/qmatmul/qmatmul.h"
+#include "ops/step_inputs/step_inputs.h"
+#include "ops/window_starts/window_starts.h"
 #ifdef INFMOE_DRIVER_CUDA
 #include <cuda_runtime.h>
 
-#include "continuous_slice_ffn_cuda.h"
+#include "ops/continuous_slice_ffn/cuda.h"
 #endif
 
 namespace {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "continuous_slice_ffn.h"
+#include "ops/window_starts/window_starts.h"
 
 namespace infmoe {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "continuous_slice_ffn.h"
+#include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
 
 namespace infmoe {
 namespace cuda {

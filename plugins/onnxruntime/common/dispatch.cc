@@ -5,7 +5,9 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "continuous_slice_ffn.h"
+#include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
+#include "ops/decoder_attention/decoder_attention.h"
+#include "ops/qmatmul/qmatmul.h"
 
 #define INFMOE_DECLARE_RUN(T)                                                                            \
   extern template void Run<T>(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, \

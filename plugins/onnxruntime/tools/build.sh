@@ -8,7 +8,7 @@
 # fetch_deps.sh. CUDA: INFMOE_CUDA=ON|OFF (default: ON when nvcc compiles the kernel); the ASan
 # build is CPU only.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
+here=$(cd "$(dirname "$0")/.." && pwd)  # the plugin folder
 variant=release
 if [ "${1:-}" = "--asan" ]; then
   variant=asan

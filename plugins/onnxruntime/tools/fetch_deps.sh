@@ -5,7 +5,7 @@
 # The mirror is read from this machine's own apt configuration (one-line .list or deb822
 # .sources files), so no host is written down here; only the suite is changed to trixie.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
+here=$(cd "$(dirname "$0")/.." && pwd)  # the plugin folder
 dest="$here/third_party"
 packages=(libonnxruntime-dev libeigen3-dev)
 

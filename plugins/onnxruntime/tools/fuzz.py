@@ -16,10 +16,10 @@ PyTorch reference (for the quantized ops the level-1 reference, random packed by
 an invalid one must raise an onnxruntime error; anything else, or any sanitizer report, is a
 finding.
 
-    plugins/onnxruntime/build.sh --asan
+    plugins/onnxruntime/tools/build.sh --asan
     LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)" \\
       ASAN_OPTIONS=detect_leaks=0 INFMOE_ORT_LIBRARY=plugins/onnxruntime/build-asan/libinfmoe_ort.so \\
-      .venv/bin/python plugins/onnxruntime/fuzz.py --cases 20000
+      .venv/bin/python plugins/onnxruntime/tools/fuzz.py --cases 20000
 
 (docs/onnxruntime-kernel.md says why libstdc++ is preloaded too.)
 """

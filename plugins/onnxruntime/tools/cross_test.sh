@@ -17,7 +17,7 @@
 # .venv/bin/python). Headers: as for the library (ORT_INCLUDE_DIR / EIGEN_INCLUDE_DIR, else
 # third_party/ from fetch_deps.sh). Build folders: plugins/onnxruntime/build-test-<target>/.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
+here=$(cd "$(dirname "$0")/.." && pwd)  # the plugin folder
 repo=$(cd "$here/../.." && pwd)
 target=${1:-}
 data=${2:-}

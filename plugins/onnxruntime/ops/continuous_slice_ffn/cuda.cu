@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "continuous_slice_ffn_cuda.h"
+#include "ops/continuous_slice_ffn/cuda.h"
 
 namespace infmoe {
 namespace cuda {

@@ -3,7 +3,7 @@
 // onnxruntime's dispatch per node). A pass over the mask: compiled once, for the baseline.
 #include <limits>
 
-#include "continuous_slice_ffn.h"
+#include "ops/step_inputs/step_inputs.h"
 
 namespace infmoe {
 

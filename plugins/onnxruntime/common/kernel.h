@@ -1,0 +1,35 @@
+// What every op's CPU computation shares, free of onnxruntime types: the op glue (ops/*/op.cc)
+// validates, allocates and hands over a thread pool; the test driver (tests/driver.cc) calls the
+// computations directly.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace infmoe {
+
+// Runs body(i) for every i in [0, n), possibly in parallel (onnxruntime's intra-op pool).
+// Results never depend on how the calls are spread over threads.
+using ParallelFor = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
+
+// The quantized weights of QContinuousSliceFFN and QMatMul (SPEC §6): `bits`-bit integers (uint8
+// storage, offset 2^(bits-1); int4: two per byte, even column in the low nibble) with one scale
+// of type T per block of block_size columns of a row.
+struct Quantization {
+  int64_t bits, block_size;
+};
+template <typename T>
+struct QuantizedMatrix {
+  const uint8_t* packed;
+  const T* scale;
+};
+
+// The compiled variant the ops run on this CPU: "avx512", "avx2" or "baseline"
+// (x86-64), "baseline" elsewhere. Chosen once, at the first call, with __builtin_cpu_supports;
+// the environment variable INFMOE_CPU_VARIANT can ask for a narrower one (tests, benchmarks),
+// never for one the CPU lacks.
+const char* CpuVariant();
+
+}  // namespace infmoe

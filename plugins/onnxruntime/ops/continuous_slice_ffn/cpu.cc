@@ -1,0 +1,258 @@
+// Both ops, float and quantized (SPEC §4, §6), share one computation over a weight format: a
+// format hands out a register's worth of columns of a row as float (FloatRows: float or half; QuantRows: 8- or 4-bit
+// integers times their block scale, w' = q * scale exactly as the reference dequantizes).
+// Two paths, both touching only the union of the windows:
+//  * decode (few tokens): per token, the rows its windows cover are cut into fixed chunks; each
+//    chunk reads its w_in rows once, front to back (quantized rows on AVX-512: four runs of them
+//    side by side), for dot products, applies bias, GELU and coverage, then reads its w_out rows
+//    once the same way (into the chunk's partial output); partials are summed in chunk order.
+//    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
+//    on whole registers of floats and nothing is converted or copied outside them.
+//  * prefill (many tokens): tokens sorted by window position and grouped; per group, GEMMs
+//    (Gemm: register blocks over the tokens, packed once) over the row ranges any of its tokens
+//    cover, weighted by coverage, split over fixed blocks of hidden units whose partial outputs
+//    are summed in block order. A block of half or quantized rows is first converted into float
+//    scratch that stays in cache.
+// QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
+// paths with every row covered and nothing after the dot products.
+// Work is split by token and by fixed row chunks, never by thread, so the summation order (and
+// so every bit of the result) is the same for any number of threads.
+// Compiled once per CPU variant (common/variant.h).
+#include "common/variant.h"
+#include "common/gemm.h"
+#include "common/weight_formats.h"
+#include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
+
+namespace infmoe {
+namespace INFMOE_VARIANT {
+namespace {
+
+constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
+constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
+constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
+constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
+
+// GPT-2's tanh GELU, in place, vectorised by Eigen.
+template <typename ArrayLike>
+void GeluTanh(ArrayLike&& a) {
+  const float sqrt_2_over_pi = 0.7978845608028654f;
+  a = 0.5f * a * (1.0f + (sqrt_2_over_pi * (a + 0.044715f * a.cube())).tanh());
+}
+
+// coverage[i - lo] = (number of the k windows [s, s + r) covering unit i) / k, for i in [lo, hi).
+// Form (docs/spec.md §6.3): the exact count n_i (small integers: exact in float), then
+// n_i * (1/k): equal to n_i / k up to the last bit.
+void Coverage(const int64_t* starts, int64_t k, int64_t r, int64_t lo, int64_t hi, float* coverage) {
+  std::fill(coverage, coverage + (hi - lo), 0.0f);
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t i = std::max(lo, starts[j]); i < std::min(hi, starts[j] + r); ++i) coverage[i - lo] += 1.0f;
+  }
+  const float per_window = 1.0f / static_cast<float>(k);
+  for (int64_t i = 0; i < hi - lo; ++i) coverage[i] *= per_window;
+}
+
+struct Range {
+  int64_t lo, hi;
+};
+
+// The runs of units covered by a token's windows, merged across gaps shorter than `gap`, in order
+// (in place: Merge turns the windows into the runs).
+void AddWindows(const int64_t* starts, int64_t k, int64_t r, std::vector<Range>& windows) {
+  for (int64_t j = 0; j < k; ++j) windows.push_back({starts[j], starts[j] + r});
+}
+void Merge(std::vector<Range>& windows, int64_t gap) {
+  std::sort(windows.begin(), windows.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+  size_t runs = 0;
+  for (const Range& w : windows) {  // run `runs` - 1 lies at or before w
+    if (runs && w.lo - windows[runs - 1].hi < gap) {
+      windows[runs - 1].hi = std::max(windows[runs - 1].hi, w.hi);
+    } else {
+      windows[runs++] = w;
+    }
+  }
+  windows.resize(runs);
+}
+
+template <typename T, class Format>
+void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& format_in, const T* b_in,
+            const Format& format_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  const auto& w_in = DecodeRows(format_in);
+  const auto& w_out = DecodeRows(format_out);
+  using Rows = std::decay_t<decltype(w_in)>;
+  using Layout = DecodeLayout<Rows>;
+  constexpr int W = Rows::kWidth;
+  const int64_t full = s.d / W, tail = s.d % W, units = Layout::Slots(s.d);
+  // Chunks of a fixed number of rows (from the format's row size, never from the thread count).
+  const int64_t chunk_rows =
+      std::clamp<int64_t>(kChunkBytes / (format_in.RowBytes() + format_out.RowBytes()), 1, kMaxChunkRows);
+  struct Chunk {
+    int64_t token, lo, hi;
+  };
+  // The plan in vectors the calling thread keeps (a call allocates no more once they have grown:
+  // a small model's step calls this op a dozen times). The work items, run on the pool's threads
+  // too, reach the caller's through the reference.
+  thread_local std::vector<Chunk> thread_chunks;
+  thread_local std::vector<Range> windows;
+  std::vector<Chunk>& chunks = thread_chunks;
+  chunks.clear();
+  size_t first_chunk[kDecodeMaxTokens + 1] = {};
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    windows.clear();
+    AddWindows(starts + t * s.k, s.k, s.r, windows);
+    Merge(windows, 1);
+    for (const Range& run : windows) {
+      // The fewest chunks of at most chunk_rows rows, rounded up to an even number (two threads
+      // split a run evenly), all of one size (+-1 row).
+      const int64_t length = run.hi - run.lo;
+      int64_t n = (length + chunk_rows - 1) / chunk_rows;
+      n = std::min(n + (n > 1 && n % 2), length);
+      for (int64_t j = 0; j < n; ++j) chunks.push_back({t, run.lo + length * j / n, run.lo + length * (j + 1) / n});
+    }
+    first_chunk[t + 1] = chunks.size();
+  }
+  const std::vector<Lanes<W>> xs = DecodeX<Rows, Format>(x, s.tokens, s.d);
+
+  // Every chunk writes its whole partial: no zeroing here (a memset of all of them per call).
+  const std::unique_ptr<Lanes<W>[]> partials(new Lanes<W>[chunks.size() * units]);
+  parallel_for(chunks.size(), [&](size_t index) {
+    const Chunk& c = chunks[index];
+    const Lanes<W>* xt = &xs[c.token * units];
+    Lanes<W>* out = &partials[index * units];
+    float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
+    const int64_t rows = c.hi - c.lo;
+    DotChunk(w_in, c.lo, rows, xt, full, tail, hidden);
+    for (int64_t i = 0; i < rows; ++i) hidden[i] += ToFloat(b_in[c.lo + i]);
+    Eigen::Map<Eigen::ArrayXf> h(hidden, rows);
+    GeluTanh(h);
+    Coverage(starts + c.token * s.k, s.k, s.r, c.lo, c.hi, coverage);
+    h *= Eigen::Map<const Eigen::ArrayXf>(coverage, rows);
+    std::fill(out, out + units, Lanes<W>{});
+    constexpr int kRows = Layout::kRows;
+    const int64_t run = rows / kRows;
+    for (int64_t i = 0; i < run; ++i) AxpyRows<kRows>(w_out, c.lo + i, run, hidden + i, full, tail, out);
+    for (int64_t i = kRows * run; i < rows; ++i) AxpyRows<1>(w_out, c.lo + i, 0, hidden + i, full, tail, out);
+  });
+
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    for (int64_t u = 0; u < units; ++u) {
+      // The partials are stored divided by XScale (powers of two: exact), so is b_out here.
+      Lanes<W> sum = Slot<Rows, Format>(b_out, s.d, u) / Layout::XScale(u);
+      for (size_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) sum += partials[c * units + u];
+      sum *= Layout::XScale(u);
+      for (int l = 0; l < W; ++l) {
+        const int64_t column = Layout::Column(u, l);
+        if (column < s.d) FromFloat(sum[l], y + t * s.d + column);
+      }
+    }
+  }
+  // A plan this large came from thousands of windows a token: not kept for the thread's next call.
+  if (windows.capacity() > kKeptPlan) std::vector<Range>().swap(windows), std::vector<Chunk>().swap(chunks);
+}
+
+template <typename T>
+Vector ToVector(const T* v, int64_t n) {
+  Vector out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = ToFloat(v[i]);
+  return out;
+}
+
+template <typename T, class Format>
+void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
+             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  // Tokens whose windows start close together share a group, so its span stays narrow.
+  std::vector<int64_t> order(s.tokens);
+  std::iota(order.begin(), order.end(), 0);
+  std::vector<int64_t> first(s.tokens);
+  for (int64_t t = 0; t < s.tokens; ++t) first[t] = *std::min_element(starts + t * s.k, starts + (t + 1) * s.k);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+
+  const Vector bias_in = ToVector(b_in, s.h);
+  const Vector bias_out = ToVector(b_out, s.d);
+  RowMatrix coverage, yg, partials;
+  for (int64_t begin = 0; begin < s.tokens; begin += kGroupTokens) {
+    const int64_t n = std::min(kGroupTokens, s.tokens - begin);
+    coverage.resize(n, s.h);
+    std::vector<Range> windows;
+    for (int64_t g = 0; g < n; ++g) {
+      const int64_t t = order[begin + g];
+      Coverage(starts + t * s.k, s.k, s.r, 0, s.h, coverage.row(g).data());
+      AddWindows(starts + t * s.k, s.k, s.r, windows);
+    }
+    yg = bias_out.transpose().replicate(n, 1);
+    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + order[begin + g] * s.d; });
+    Merge(windows, kMergeGap);
+    for (const Range& range : windows) {
+      // One work item per block of hidden units: GEMM, bias, GELU, coverage, then the block's
+      // partial output (a second GEMM); partials are added in block order afterwards.
+      const int64_t rows = range.hi - range.lo;
+      const int64_t blocks = (rows + kHiddenBlock - 1) / kHiddenBlock;
+      partials.resize(blocks * n, s.d);
+      parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
+        const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
+        const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
+        RowMatrix scratch, hidden(n, hi - lo);
+        Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
+        hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
+        GeluTanh(hidden.array());
+        hidden.array() *= coverage.middleCols(lo, hi - lo).array();
+        Gemm<false>(PackTokens(n, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), n, hi - lo,
+                    Rows(w_out, lo, hi, scratch), s.d, s.d, partials.row(static_cast<Index>(block) * n).data(), s.d);
+      });
+      for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
+    }
+    for (int64_t g = 0; g < n; ++g) {
+      for (int64_t j = 0; j < s.d; ++j) FromFloat(yg(g, j), y + order[begin + g] * s.d + j);
+    }
+  }
+}
+
+template <typename T, class Format>
+void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
+             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  if (s.tokens == 0) return;
+  if (s.tokens <= kDecodeMaxTokens) {
+    Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+  } else {
+    Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+  }
+}
+
+
+}  // namespace
+
+// Float rows; at decode on Intel's cores streamed as IntelStreams() says.
+template <typename T>
+void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
+         const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  if (IntelStreams() && s.tokens > 0 && s.tokens <= kDecodeMaxTokens) {
+    Decode(s, x, starts, FloatRows<T, true>{w_in, s.d}, b_in, FloatRows<T, true>{w_out, s.d}, b_out, y, parallel_for);
+  } else {
+    Compute(s, x, starts, FloatRows<T>{w_in, s.d}, b_in, FloatRows<T>{w_out, s.d}, b_out, y, parallel_for);
+  }
+}
+
+template <typename T>
+void RunQuantized(const Sizes& s, const Quantization& q, const T* x, const int64_t* starts,
+                  const QuantizedMatrix<T>& w_in, const T* b_in, const QuantizedMatrix<T>& w_out,
+                  const T* b_out, T* y, const ParallelFor& parallel_for) {
+  if (q.bits == 8) {
+    Compute(s, x, starts, QuantRows<8, T>(w_in, s.d, q.block_size), b_in, QuantRows<8, T>(w_out, s.d, q.block_size),
+            b_out, y, parallel_for);
+  } else {
+    Compute(s, x, starts, QuantRows<4, T>(w_in, s.d, q.block_size), b_in, QuantRows<4, T>(w_out, s.d, q.block_size),
+            b_out, y, parallel_for);
+  }
+}
+
+#define INFMOE_INSTANTIATE(T)                                                                               \
+  template void Run<T>(const Sizes&, const T*, const int64_t*, const T*, const T*, const T*, const T*, T*, \
+                       const ParallelFor&);                                                                \
+  template void RunQuantized<T>(const Sizes&, const Quantization&, const T*, const int64_t*,               \
+                                const QuantizedMatrix<T>&, const T*, const QuantizedMatrix<T>&, const T*,  \
+                                T*, const ParallelFor&);
+INFMOE_INSTANTIATE(float)
+INFMOE_INSTANTIATE(uint16_t)
+#undef INFMOE_INSTANTIATE
+
+}  // namespace INFMOE_VARIANT
+}  // namespace infmoe

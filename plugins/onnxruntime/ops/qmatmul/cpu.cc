@@ -1,0 +1,80 @@
+// The CPU computation of infmoe::QMatMul: the expert ops' decode and prefill paths over every row of
+// a dense quantized matrix, with nothing after the dot products. Compiled once per CPU variant.
+#include "common/variant.h"
+#include "common/gemm.h"
+#include "common/weight_formats.h"
+#include "ops/qmatmul/qmatmul.h"
+
+namespace infmoe {
+namespace INFMOE_VARIANT {
+namespace {
+
+// ---- QMatMul ------------------------------------------------------------------------------------
+
+// At least this many work items a call: a 768-row matrix still splits evenly over 2 or 4 threads.
+constexpr int64_t kMatMulItems = 8;
+constexpr int64_t kMatMulRows = 48;  // prefill: rows per work item (4 strips; scratch in cache)
+
+// Few tokens: each work item a fixed range of rows, read once for all tokens (the range stays in
+// cache between them). Every dot is one row's own sum, so no split changes a bit.
+template <typename T, class Format>
+void DecodeMatMul(const MatMulSizes& s, const T* x, const Format& format, T* y, const ParallelFor& parallel_for) {
+  const auto& w = DecodeRows(format);
+  using Rows = std::decay_t<decltype(w)>;
+  constexpr int W = Rows::kWidth;
+  const std::vector<Lanes<W>> xs = DecodeX<Rows, Format>(x, s.tokens, s.k);
+  const int64_t units = DecodeLayout<Rows>::Slots(s.k);
+  const int64_t rows = std::clamp<int64_t>(
+      std::min(kChunkBytes / format.RowBytes(), (s.n + kMatMulItems - 1) / kMatMulItems), 1, kMaxChunkRows);
+  parallel_for(static_cast<size_t>((s.n + rows - 1) / rows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * rows, hi = std::min(lo + rows, s.n);
+    float dots[kMaxChunkRows];
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      DotChunk(w, lo, hi - lo, xs.data() + t * units, s.k / W, s.k % W, dots);
+      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[j - lo], y + t * s.n + j);
+    }
+  });
+}
+
+// Many tokens: per work item of kMatMulRows rows, dequantized once into scratch, one Gemm.
+template <typename T, class Format>
+void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
+  const std::vector<float> packed = PackTokens(s.tokens, s.k, [&](int64_t t) { return x + t * s.k; });
+  parallel_for(static_cast<size_t>((s.n + kMatMulRows - 1) / kMatMulRows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * kMatMulRows, rows = std::min(kMatMulRows, s.n - lo);
+    RowMatrix scratch;
+    Gemm<true>(packed, s.tokens, s.k, Rows(w, lo, lo + rows, scratch), s.k, rows, y + lo, s.n);
+  });
+}
+
+template <typename T, class Format>
+void ComputeMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
+  if (s.tokens == 0 || s.n == 0) return;
+  if (s.tokens <= kDecodeMaxTokens) {
+    DecodeMatMul(s, x, w, y, parallel_for);
+  } else {
+    PrefillMatMul(s, x, w, y, parallel_for);
+  }
+}
+
+
+}  // namespace
+
+template <typename T>
+void RunQMatMul(const MatMulSizes& s, const Quantization& q, const T* x, const QuantizedMatrix<T>& w, T* y,
+                const ParallelFor& parallel_for) {
+  const int64_t stride = (s.k + q.block_size - 1) / q.block_size * q.block_size * q.bits / 8;  // whole blocks
+  if (q.bits == 8) {
+    ComputeMatMul(s, x, QuantRows<8, T>(w, s.k, q.block_size, stride), y, parallel_for);
+  } else {
+    ComputeMatMul(s, x, QuantRows<4, T>(w, s.k, q.block_size, stride), y, parallel_for);
+  }
+}
+
+template void RunQMatMul<float>(const MatMulSizes&, const Quantization&, const float*, const QuantizedMatrix<float>&,
+                                float*, const ParallelFor&);
+template void RunQMatMul<uint16_t>(const MatMulSizes&, const Quantization&, const uint16_t*,
+                                   const QuantizedMatrix<uint16_t>&, uint16_t*, const ParallelFor&);
+
+}  // namespace INFMOE_VARIANT
+}  // namespace infmoe
