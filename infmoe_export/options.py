@@ -188,7 +188,7 @@ CHOICES_TABLE = "\n".join([
     "",
     "The router, LayerNorms and biases stay float32 in every precision; --quantize-other none makes",
     "int8 / int4 the experts only. Decode is bound by the bytes read; measured speed per choice:",
-    "benchmarks/bench_quant_model.py, its results in benchmarks/results/.",
+    "python -m benchmarks.quant_model, its results in benchmarks/results/quant_model.json.",
 ])
 
 

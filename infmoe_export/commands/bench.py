@@ -9,19 +9,17 @@ import click
 import torch
 from rich.console import Console
 
-from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
-from ..contract import QUANTIZE_OTHER
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
+from ..errors import InfMoEError
 from ..export import export_many
 from ..files import atomic_write, output_file
-from ..options import QUANTIZE_OTHER_HELP, THREADS, FiniteFloat, check_forward_memory, positive_ints
-from ..quant import DEFAULT_BLOCK_SIZE
-from ..report.bench import (DEFAULT_PAST, check_block_size_option, check_quantize_other, check_shapes,
-                            export_options, run_bench)
+from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
+                       positive_ints)
+from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, print_summary, validate_report
 from ..report.timing import REL_CI, environment
 from ..runtimes import registry
-from .trt import precision_list
 
 
 @click.command("bench")
@@ -33,12 +31,7 @@ from .trt import precision_list
 @click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
 @click.option("--noise", type=click.Choice(("quantile", "sampled")), default="quantile", show_default=True,
               help="Noise mode of the models exported when no --model is given.")
-@click.option("--dtype", "dtype_list", default="fp32", show_default=True,
-              help="Precisions of the models exported when no --model is given, comma-separated.")
-@click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
-              help="Quantization block size of int8 / int4.")
-@click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default="none", show_default=True,
-              help=QUANTIZE_OTHER_HELP)
+@export_choice_options(many=True, deployments=("onnxruntime", "portable"))
 @click.option("--batch", "batch_list", default="1,4", show_default=True, help="Batch sizes, comma-separated.")
 @click.option("--seq", "seq_list", default="1,128", show_default=True,
               help="Sequence lengths: 1 = one decode step with a KV cache of --past tokens, >1 = prefill.")
@@ -54,14 +47,17 @@ from .trt import precision_list
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime (default: their own defaults).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write the results (report schema) here.")
-def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dtype_list, block_size, quantize_other,
+def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, deploy, dtype, quantize_other, block_size,
                   batch_list, seq_list, past, warmup, iters, budget_s, rel_ci, memory, threads, json_path):
-    """Latency, throughput and memory per backend, precision and K."""
+    """Latency, throughput and memory per backend, precision and K: of the given models, or of the
+    checkpoint exported as --for and --dtype say (default: onnxruntime, fp32; the model `run` runs)."""
     backends = registry.parse_backends(backend_list)
     ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
-    dtypes = precision_list(dtype_list)
-    check_block_size_option(dtypes, block_size)
-    check_quantize_other(dtypes, quantize_other)
+    if model_paths and any(value is not None for value in (deploy, dtype, quantize_other, block_size)):
+        raise InfMoEError("--for, --dtype, --quantize-other and --block-size choose what to export; they cannot be "
+                          "combined with --model")
+    choices = [] if model_paths else choices_from_flags(read_config(checkpoint or DEFAULT_CHECKPOINT), deploy, dtype,
+                                                        quantize_other, block_size)
     inputs = [checkpoint or DEFAULT_CHECKPOINT, *model_paths, engines]
     if json_path:
         output_file(json_path, inputs=inputs)
@@ -70,13 +66,17 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dty
     check_forward_memory(torch_model.config, max(batches), max(seqs) + past, max(ks))
     if threads:
         torch.set_num_threads(threads)
+    console = Console()
     with tempfile.TemporaryDirectory(prefix="infmoe-bench-") as scratch:
         if model_paths:
             models = registry.find_models(model_paths, ks=ks)
             registry.check_models(models, torch_model.config)
         else:
-            models = [m for dtype in dtypes for m in export_many(torch_model, Path(scratch) / dtype, ks, (noise,),
-                                                                 **export_options(dtype, block_size, quantize_other))]
+            models = [m for choice in choices for m in export_many(torch_model, Path(scratch) / choice.dtype, ks,
+                                                                   (noise,), **choice.options())]
+        console.print(f"models: {', '.join(dict.fromkeys(m.io.label for m in models))}", markup=False)
+        for note in dict.fromkeys(c.note for c in choices if c.note):
+            console.print(f"note: {note}", markup=False)
         engines = Path(engines) if engines else None
         bench = run_bench(torch_model, models, backends=backends, batches=batches, seqs=seqs, past=past,
                           warmup=warmup, iters=iters, budget_s=budget_s, rel_ci=rel_ci, engines=engines,
@@ -86,7 +86,6 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dty
     report = build_report("bench", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
                           torch_model.config.to_dict(), environment(threads), bench=bench, memory=memory)
     validate_report(report)
-    console = Console()
     print_summary(console, report)
     if json_path:
         atomic_write(output_file(json_path, inputs=inputs), json.dumps(report, indent=2, allow_nan=False) + "\n")
