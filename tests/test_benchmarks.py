@@ -11,7 +11,7 @@ import pytest
 from benchmarks import record
 from infmoe_export.report.timing import cycling, paired_ratio, rounds, sampled_rounds
 
-SCRIPTS = ["ort", "op", "qop", "decode", "k_latency", "quant_model", "qmatmul", "quant_quality"]
+SCRIPTS = ["ort", "op", "qop", "decode", "k_latency", "quant_model", "qmatmul", "quant_quality", "peers", "table", "llama"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -1,0 +1,216 @@
+"""The side-by-side benchmark's own code, without running it at size: the GGUF writer (read back
+with gguf's reader), the goals and table made from results, argument and memory checks; llama.cpp
+itself on a tiny GGUF model where llama_cpp imports."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import gguf_model, peers, table
+from benchmarks.llama import available
+from infmoe_export.errors import InfMoEError
+from infmoe_export.model import InfMoEConfig
+
+# Dense (H = r), rows a multiple of 32 (Q4_0 / Q8_0 blocks), byte vocabulary + 8 merges + <|endoftext|>.
+TINY_GPT2 = InfMoEConfig(vocab_size=265, n_positions=64, d_model=32, n_layer=2, n_head=2, ffn_hidden=128,
+                         slice_width=128, num_samples=1)
+
+
+def test_byte_vocab_is_gpt2_shaped():
+    tokens, merges = gguf_model.byte_vocab(265)
+    assert len(tokens) == 265 == len(set(tokens)) and tokens[-1] == "<|endoftext|>"
+    assert tokens[ord("a")] == "a" and tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ"
+    assert len(merges) == 8 and all(" ".join(m.split(" ")) == m and "".join(m.split(" ")) in tokens for m in merges)
+    assert len(gguf_model.byte_vocab(50257)[1]) == 50000  # GPT-2's own count
+    with pytest.raises(InfMoEError, match="257 to"):
+        gguf_model.byte_vocab(100)
+
+
+@pytest.mark.parametrize("file_type, element_bytes", [("F16", 2), ("Q8_0", 34 / 32), ("Q4_0", 18 / 32)])
+def test_gguf_writer_round_trip(tmp_path, file_type, element_bytes):
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+    path = gguf_model.write_gpt2(tmp_path / "tiny.gguf", TINY_GPT2, file_type)
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]  # no temporary file left
+    reader = gguf.GGUFReader(path)
+
+    def field(name):
+        f = reader.fields[name]
+        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]].tolist()
+
+    assert field("general.architecture") == "gpt2"
+    assert field("gpt2.embedding_length") == 32 and field("gpt2.block_count") == 2
+    assert field("gpt2.feed_forward_length") == 128 and field("gpt2.attention.head_count") == 2
+    assert field("gpt2.context_length") == 64 and field("tokenizer.ggml.model") == "gpt2"
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 265
+    assert len(reader.fields["tokenizer.ggml.merges"].data) == 8
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 2 + 12 * 2 + 2 and "output.weight" not in tensors  # the LM head is the tied embedding
+    qkv, down, norm = tensors["blk.0.attn_qkv.weight"], tensors["blk.1.ffn_down.weight"], tensors["output_norm.bias"]
+    assert list(qkv.shape) == [32, 96] and list(down.shape) == [128, 32]  # GGUF order: columns first
+    assert qkv.tensor_type.name == file_type and tensors["token_embd.weight"].tensor_type.name == file_type
+    assert norm.tensor_type.name == "F32" and tensors["position_embd.weight"].tensor_type.name == "F32"
+    assert qkv.n_bytes == int(32 * 96 * element_bytes)
+    # What was written is the random matrix at that precision.
+    expected = dict(gguf_model.gpt2_tensors(TINY_GPT2))["blk.0.attn_qkv.weight"]
+    stored = gguf.quants.dequantize(qkv.data, qkv.tensor_type).reshape(96, 32)
+    assert np.abs(stored - expected).max() <= 0.2 * np.abs(expected).max()
+
+
+def test_gguf_writer_refuses_what_llama_cpp_cannot_run(tmp_path):
+    pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+    with pytest.raises(InfMoEError, match="file type"):
+        gguf_model.write_gpt2(tmp_path / "x.gguf", TINY_GPT2, "Q2_K")
+    moe = InfMoEConfig(**{**TINY_GPT2.to_dict(), "slice_width": 32, "num_samples": 2})
+    with pytest.raises(InfMoEError, match="dense"):
+        gguf_model.write_gpt2(tmp_path / "x.gguf", moe, "F16")
+    assert not list(tmp_path.iterdir())
+
+
+def fake_result(quick=False, skipped=None):
+    """A peers.json as benchmarks.peers writes it, with round numbers."""
+    names = [peers.ours_name("all-int4", 2), peers.ours_name("all-int4", 8), peers.SMALL_Q4, peers.MEDIUM_Q4]
+    curve = {1: 200.0, 2: 380.0, 4: 90.0, 16: 700.0}  # a cliff at B = 4
+    return {
+        "benchmark": "peers",
+        "machine": {"cpu": "Test CPU 9000", "cores": 2, "date": "2030-01-02T03:04:05+00:00", "python": "3.11.7",
+                    "versions": {"infmoe-export": "0.1.0", "onnxruntime": "1.32.0", "llama-cpp-python": "0.3.36",
+                                 "torch": "2.13.0"}},
+        "plan": {"ks": [2, 8]}, "options": {"threads": 2, "quick": quick},
+        "skipped": skipped or {},
+        "contenders": [{"name": n} for n in names],
+        "decode": [{"past": 128, "ms": {names[0]: 3.5, names[1]: 4.0, names[2]: 5.0, names[3]: 14.0}}],
+        "batched": [{"batch": b, "tokens_per_s": {names[0]: rate, names[2]: 250.0}} for b, rate in curve.items()],
+        "prefill": [{"tokens": 512, "tokens_per_s": {names[0]: 600.0, names[1]: 550.0, names[2]: 1000.0,
+                                                     names[3]: 200.0}}],
+        "memory": {names[0]: {"model_rss_bytes": 150 * 2**20}, names[2]: {"error": "child failed"}},
+    }
+
+
+def test_goals_are_ratios_to_the_peers_and_find_the_cliff():
+    result = fake_result()
+    result["batched"] = [{**row, "tokens_per_s": {peers.ours_name("all-int4", 2): row["tokens_per_s"][
+        peers.ours_name("all-int4", 2)], peers.SMALL_Q4: 250.0}} for row in result["batched"]]
+    goals = {g["what"]: g for g in peers.goals(result)}
+    decode = goals["batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0"]
+    assert decode["value"] == pytest.approx(5.0 / 3.5) and decode["met"]
+    assert goals["batched decode B=16: ours K=2 all-int4 vs llama.cpp Small Q4_0"]["value"] == pytest.approx(2.8)
+    assert goals["prefill 512: ours K=2 all-int4 vs llama.cpp Small Q4_0"]["value"] == pytest.approx(0.6)
+    assert goals["prefill 512: ours K=8 all-int4 vs llama.cpp Medium Q4_0"]["value"] == pytest.approx(2.75)
+    cliff = goals["batched decode never falls as B grows: ours all-int4 K=2, worst B over the best smaller B"]
+    assert cliff["value"] == pytest.approx(90 / 380) and not cliff["met"]
+    assert goals["batched decode B=16 over B=1: ours all-int4 K=2"]["value"] == pytest.approx(3.5)
+    # A measurement a run did not make gives no goal (not a zero, not a failure).
+    del result["prefill"][0]["tokens_per_s"][peers.MEDIUM_Q4]
+    assert "prefill 512: ours K=8 all-int4 vs llama.cpp Medium Q4_0" not in {g["what"] for g in peers.goals(result)}
+
+
+def write_results(folder, result):
+    folder.mkdir()
+    (folder / "peers.json").write_text(json.dumps({**result, "goals": peers.goals(result)}))
+    return folder
+
+
+def test_table_rewrites_only_the_block(tmp_path):
+    results = write_results(tmp_path / "results", fake_result(skipped={"llama.cpp Medium": "not built"}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{table.BEGIN}\nold table\n{table.END}\nafter\n")
+    table.main(["--results", str(results), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n" + table.BEGIN + "\n") and text.endswith(table.END + "\nafter\n")
+    assert "old table" not in text
+    block = text[text.index(table.BEGIN):text.index(table.END)]
+    rows = [line for line in block.splitlines() if line.startswith("| ours") or line.startswith("| llama")]
+    assert rows[0] == "| ours all-int4 K=2 | 3.50 | 200 | 700 | 600 | 150 |"
+    assert rows[2] == "| llama.cpp Small Q4_0 | 5.00 | 250 | 250 | 1000 | – |"  # its RSS child failed
+    assert "| 2 threads | decode, past 128: ms/token | 1 sequences: tokens/s | 16 sequences: tokens/s |" in block
+    assert "Test CPU 9000, 2 cores, 2 threads; 2030-01-02; Python 3.11.7, infmoe-export 0.1.0, onnxruntime 1.32.0, " \
+           "llama-cpp-python 0.3.36, torch 2.13.0." in block
+    assert "Not measured: llama.cpp Medium (not built)." in block
+    assert "- batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0: 1.43 (met: at least 1.3)" in block
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "results"]  # no temporary file left
+    table.main(["--results", str(results), "--readme", str(readme)])
+    assert readme.read_text() == text  # the same results, the same README
+
+
+def test_table_prints_and_refuses_what_it_cannot_use(tmp_path, capsys):
+    results = write_results(tmp_path / "results", fake_result(quick=True))
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers here\n")
+    table.main(["--results", str(results), "--readme", str(readme), "--print"])
+    out = capsys.readouterr().out
+    assert out.startswith("| 2 threads |") and "A `--quick` run" in out
+    for argv, message in [
+            (["--results", str(results), "--readme", str(readme)], "README has no results markers"),
+            (["--results", str(tmp_path / "none"), "--print"], "peers.json: run `python -m benchmarks.peers` first"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            table.main(argv)
+        assert message in str(exit_info.value.code) and "\n" not in str(exit_info.value.code)
+    assert readme.read_text() == "# no markers here\n"
+    (results / "peers.json").write_text("{\"benchmark\": \"peers\"")
+    with pytest.raises(SystemExit) as exit_info:
+        table.main(["--results", str(results), "--print"])
+    assert "is not readable JSON" in str(exit_info.value.code)
+    (results / "peers.json").write_text("{\"benchmark\": \"quant_model\"}")
+    with pytest.raises(SystemExit) as exit_info:
+        table.main(["--results", str(results), "--print"])
+    assert "not a results file of benchmarks.peers" in str(exit_info.value.code)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--rounds", "0"], "--rounds"), (["--threads", "0"], "--threads"),
+                                        (["--threads", "two"], "--threads"), (["--quick", "--rounds", "1e3"], "--rounds")])
+def test_peers_bad_arguments_are_one_line_errors(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        peers.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_peers_refuses_a_plan_that_does_not_fit_before_allocating(monkeypatch):
+    from benchmarks.shapes import SMALL
+
+    monkeypatch.setattr(peers, "available_memory_bytes", lambda: 4 * 2**30)
+    with pytest.raises(SystemExit) as exit_info:
+        peers.check_memory(peers.Plan(), SMALL)  # B = 32: three 2.4 GB caches
+    assert "GiB (B = 32), 4.0 GiB is available: use --quick" in str(exit_info.value.code)
+    peers.check_memory(peers.QUICK, SMALL)
+    assert peers.kv_cache_bytes(SMALL, 32) == 2 * 12 * 32 * 1024 * 768 * 4
+
+
+def test_peers_table_lists_every_contender():
+    result = fake_result()
+    header, rows = peers.table_header(result), peers.table_rows(result)
+    assert header[0] == "contender" and header[-1] == "RSS MiB" and len(rows) == 4
+    assert all(len(row) == len(header) for row in rows)
+    assert rows[1][0] == "ours all-int4 K=8" and rows[1][-1] == "–"
+
+
+needs_llama = pytest.mark.skipif(bool(available()), reason=available() or "llama_cpp imports")
+
+
+@needs_llama
+def test_llama_cpp_runs_the_written_gguf(tmp_path):
+    """The steps peers times, on a tiny GGUF model: decode at an exact past, B sequences, prefill;
+    and the RSS child."""
+    from benchmarks.llama import LlamaModel
+    from benchmarks.peers import llama_rss
+
+    path = gguf_model.write_gpt2(tmp_path / "tiny.gguf", TINY_GPT2, "Q4_0")
+    model = LlamaModel(path, threads=1)
+    try:
+        tokens = np.arange(40) % 256
+        step = model.step_at(tokens, past=16)
+        for _ in range(3):  # every call at the same past: the cache does not grow
+            step()
+        batched = model.step_at(tokens, past=16, batch_size=4)
+        batched()
+        batched()
+        model.prefill_at(tokens[:32])()
+        step = model.step_at(tokens, past=30)
+        step()
+    finally:
+        model.close()
+    measured = llama_rss(path, 1)
+    assert measured["peak_rss_bytes"] >= measured["rss_before_load_bytes"] > 0, measured
