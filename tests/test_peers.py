@@ -214,3 +214,29 @@ def test_llama_cpp_runs_the_written_gguf(tmp_path):
         model.close()
     measured = llama_rss(path, 1)
     assert measured["peak_rss_bytes"] >= measured["rss_before_load_bytes"] > 0, measured
+
+
+@pytest.mark.parametrize("precision", list(peers.PRECISIONS))
+def test_our_contender_times_decode_batches_and_prefill(tmp_path, precision):
+    """The steps peers times on our exports, on a tiny one: the same past every call, B
+    sequences at once, a prefill; timed together with the shared harness."""
+    from conftest import TINY, random_model
+    from infmoe_export.export import export_onnx
+    from infmoe_export.runtimes.ort_kernel import custom_op_library
+
+    if custom_op_library() is None:
+        pytest.skip("the compiled kernel is not installed")
+    config = InfMoEConfig(**{**TINY, "d_model": 32, "n_head": 2})  # int4 blocks of 32 along D
+    exported = export_onnx(random_model(config), tmp_path / "tiny.onnx", k=2, block_size=32, target="onnxruntime",
+                           **peers.PRECISIONS[precision])
+    contender = peers.onnxruntime_contender("tiny", "onnxruntime", "tiny", precision, 2, exported, 1, batched=True)
+    decode = contender.decode(8)
+    first = decode()["logits"].copy()
+    np.testing.assert_array_equal(decode()["logits"], first)  # at exactly past 8 again, not 9
+    batched = contender.batched(8, 3)()["logits"]
+    assert batched.shape == (3, 1, config.vocab_size)
+    np.testing.assert_allclose(batched[1], first[0], rtol=1e-4, atol=1e-4)  # a row does not depend on its batch
+    assert contender.prefill(16)()["logits"].shape == (1, 16, config.vocab_size)
+    samples = peers.timed([contender], lambda c: c.batched(8, 2), rounds=2, steps=2)
+    assert len(samples["tiny"]) == 2 and all(ms > 0 for ms in samples["tiny"])
+    assert contender.describe()["file_bytes"] > 0
