@@ -161,13 +161,13 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             for dtype in dtypes]
 
 
-FOR_HELP = ("The runtime the model is for: onnxruntime (default; its fused graph, int8 / int4 read by our "
-            "kernels), tensorrt (the standard-op graph of `infmoe-export trt`; needs TensorRT here) or portable "
-            "(standard ops and the expert op, for any runtime or tool). The table: `infmoe-export onnx --help`.")
-DTYPE_HELP = ("Weights: fp32 (default), fp16 (the experts in float16), int8 / int4 (every matrix but the router, "
-              "LayerNorms and biases; --for tensorrt: the experts).")
+DEPLOYMENT_HELP = {"onnxruntime": "onnxruntime (the default: its fused graph, int8 / int4 read by our kernels)",
+                   "tensorrt": "tensorrt (the standard-op graph of `infmoe-export trt`; needs TensorRT here)",
+                   "portable": "portable (standard ops and the expert op, for any runtime or tool)"}
+
+
 QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the int8 / int4 models (default: as "
-                       "--dtype, or none for tensorrt; none: the experts only).")
+                       "--dtype; none: the experts only).")
 
 
 def _weight_bytes(bits: int) -> str:
@@ -195,16 +195,23 @@ CHOICES_TABLE = "\n".join([
 def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DEPLOYMENTS, target: bool = False):
     """The flags of export_choices on a command: --for (among deployments), --dtype (a
     comma-separated list where many), --quantize-other, --block-size, and --target where asked.
-    Every default is None (a flag not given): export_choices applies the defaults."""
+    Every default is None (a flag not given): export_choices applies the defaults. The choices'
+    table is in the help of the command with --target (onnx)."""
     from .contract import TARGETS
 
     def decorate(command):
+        runtimes = " or ".join([", ".join(DEPLOYMENT_HELP[d] for d in deployments[:-1]), DEPLOYMENT_HELP[deployments[-1]]])
+        tensorrt = "; --for tensorrt: the experts" if "tensorrt" in deployments else ""
+        table = "above" if target else "`infmoe-export onnx --help`"
         options = [
-            click.option("--for", "deploy", type=click.Choice(deployments), default=None, help=FOR_HELP),
+            click.option("--for", "deploy", type=click.Choice(deployments), default=None,
+                         help=f"The runtime the model is for: {runtimes}. The table: {table}."),
             click.option("--dtype", default=None, type=None if many else click.Choice(PRECISIONS),
-                         help=DTYPE_HELP + (" Comma-separated: one model each." if many else "")),
+                         help="Weights: fp32 (the default), fp16 (the experts in float16), int8 / int4 (every matrix "
+                              f"but the router, LayerNorms and biases{tensorrt})."
+                              + (" Comma-separated: one model each." if many else "")),
             click.option("--quantize-other", type=click.Choice(QUANTIZE_OTHER), default=None,
-                         help=QUANTIZE_OTHER_HELP),
+                         help=QUANTIZE_OTHER_HELP + (" --for tensorrt: none unless given." if tensorrt else "")),
             click.option("--block-size", type=int, default=None,
                          help=f"Weights per int8 / int4 scale, along the input dimension (a power of two >= 16; "
                               f"default {DEFAULT_BLOCK_SIZE})."),
