@@ -637,3 +637,51 @@ def test_read_model_refuses_non_onnx(tmp_path):
     junk.write_bytes(b"not a model")
     with pytest.raises(InfMoEError, match="not a readable ONNX model"):
         ExportedModel.read(junk)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPT-2-Small-size table from the benchmarks' results
+
+
+def quant_model_results(ks=(1, 2)) -> dict:
+    """A file in the layout `python -m benchmarks.quant_model` writes (only what the table reads,
+    and some it does not)."""
+    return {"benchmark": "quant_model", "machine": {"cpu": "Test CPU", "date": "2030-01-01T00:00:00+00:00",
+                                                    "cores": 2},
+            "goals": {}, "config": {"small": {"d_model": 768, "n_layer": 12, "ffn_hidden": 6144, "slice_width": 1536,
+                                              "vocab_size": 50257, "n_head": 12},
+                                    "past": 128, "threads": 2},
+            "results": [{"k": k, "read_gbs": 10.0,
+                         "decode_ms": {"fp32": 20.0 * k, "int8": 9.0, "int4": 8.0, "all-int8": 5.0, "all-int4": 4.0,
+                                       "all-int4, MatMulNBits": 6.0, "dense-medium-int4": 14.0}} for k in ks],
+            "memory": None}
+
+
+def test_small_model_table_is_read_and_labelled(setup, tmp_path):
+    from infmoe_export.report.small_model import small_model_speed
+
+    (tmp_path / "quant_model.json").write_text(json.dumps(quant_model_results((2, 1))))
+    section, warning = small_model_speed(tmp_path)
+    assert warning is None and [r["k"] for r in section["rows"]] == [1, 2]
+    assert section["rows"][1]["decode_ms"]["fp32"] == 40.0 and section["cpu"] == "Test CPU"
+    report = build_report("pipeline", "test", "ckpt", CONFIG.to_dict(), environment(1),
+                          parity=setup["report"]["parity"], bench=setup["report"]["bench"], small_model=section)
+    markdown = write_report(report, tmp_path / "out")["markdown"].read_text()
+    assert "GPT-2-Small-size model (benchmark results, not this run)" in markdown
+    assert f"Not this run: {tmp_path / 'quant_model.json'}" in markdown
+    assert "| 2 | 40.0 | 9.00 | 8.00 | 5.00 | 4.00 | 10.0× | 14.0 |" in markdown
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not readable as JSON"),
+    (json.dumps({**quant_model_results(), "benchmark": "decode"}), "not the quant_model benchmark's results (at benchmark"),
+    (json.dumps({**quant_model_results(), "results": [{"k": 1, "decode_ms": {"fp32": "fast"}}]}),
+     "at results/0/decode_ms/fp32"),
+])
+def test_small_model_table_malformed_is_a_warning(tmp_path, content, message):
+    from infmoe_export.report.small_model import small_model_speed
+
+    (tmp_path / "quant_model.json").write_text(content)
+    section, warning = small_model_speed(tmp_path)
+    assert section is None and message in warning and "\n" not in warning
+    assert small_model_speed(tmp_path / "absent") == (None, None)

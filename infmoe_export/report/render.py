@@ -24,6 +24,7 @@ from ..quant import PRECISIONS
 from ..runtimes.registry import BACKENDS
 from ..verify.parity import failures, label
 from .timing import within_noise
+from .small_model import PEER as SMALL_PEER, PRECISIONS as SMALL_PRECISIONS
 from .tradeoff import DEFAULT_QUALITY_BUDGET, baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
 
 SCHEMA_VERSION = 3
@@ -41,7 +42,7 @@ class Table(NamedTuple):
 
 
 class Section(NamedTuple):
-    title: str
+    title: str                 # shown as a heading, or as the summary of a folded section ("": none)
     tables: List[Table]
     folded: bool
     lines: Sequence[str] = ()  # one-line remarks above the tables (skipped backends)
@@ -111,10 +112,12 @@ def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
 def build_report(kind: str, command: str, checkpoint: str, config: dict, environment: dict, *,
                  parity: Optional[dict] = None, bench: Optional[dict] = None, memory: Optional[dict] = None,
                  baselines: Optional[List[dict]] = None, stages: Optional[list] = None,
-                 notes: Optional[list] = None, quality_budget: float = DEFAULT_QUALITY_BUDGET) -> dict:
+                 notes: Optional[list] = None, quality_budget: float = DEFAULT_QUALITY_BUDGET,
+                 small_model: Optional[dict] = None) -> dict:
     """The report dict of schema.json; passed is False when any parity row failed. baselines:
     baselines.prepare_baselines' facts, completed here with their timed latency; quality_budget:
-    the recommendation's (tradeoff.recommendation)."""
+    the recommendation's (tradeoff.recommendation); small_model: small_model.small_model_speed's
+    section (the benchmarks' figures, not this run's)."""
     failed = failures(parity)
     tradeoff = tradeoff_rows(parity, bench) if (parity or bench) else None
     best = recommendation(tradeoff or [], quality_budget)
@@ -143,6 +146,7 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "memory": memory,
         "tradeoff": tradeoff,
         "baselines": baseline_rows(bench, baselines) if baselines else [],
+        "small_model": small_model,
         "notes": notes or [],
     }
 
@@ -362,6 +366,29 @@ def front_table(report: dict) -> Table:
                  "fastest, the most accurate of them.")
 
 
+def small_model_section(report: dict) -> Section:
+    s = report["small_model"]
+    c = s["config"]
+    threads = f", {s['threads']} threads" if s["threads"] else ""
+
+    def speedup(row):
+        fp32, int4 = row["decode_ms"]["fp32"], row["decode_ms"]["all-int4"]
+        return f"{sig(fp32 / int4)}×" if int4 else "—"
+
+    table = Table("Batch-1 decode, ms per token",
+                  ["K", *SMALL_PRECISIONS, "all-int4 vs fp32", "dense Medium int4"],
+                  [[str(r["k"]), *(sig(r["decode_ms"][p]) for p in SMALL_PRECISIONS), speedup(r),
+                    sig(r["decode_ms"][SMALL_PEER])] for r in s["rows"]], [False] * len(s["rows"]),
+                  f"Not this run: {s['source']} (`python -m benchmarks.quant_model`), measured on {s['cpu']}, "
+                  f"{s['date']}{threads}. An ∞-MoE of GPT-2 "
+                  f"Small's size (D {c['d_model']}, L {c['n_layer']}, H {c['ffn_hidden']}, r {c['slice_width']}, "
+                  f"V {c['vocab_size']}, random weights), onnxruntime target with the kernel, a step after "
+                  f"{s['past']} tokens; int8 / int4: the experts quantized, all-int8 / all-int4: attention and the "
+                  "LM head too; dense Medium int4: a dense GPT-2-Medium-size model through onnxruntime's "
+                  "MatMulNBits. On the bundled model a step is mostly fixed cost; here the weights set the speed.")
+    return Section("GPT-2-Small-size model (benchmark results, not this run)", [table], False)
+
+
 def sections(report: dict) -> List[Section]:
     """Everything below the verdict, recommendation and chart, in the order every rendering uses."""
     top = []
@@ -377,7 +404,9 @@ def sections(report: dict) -> List[Section]:
     said = {(v["backend"], d) for v in report["verdicts"] if v["status"] == "skipped" for d in v["dtypes"]}
     memory_skips = skipped_lines([r for r in report["memory"]["results"] if (r["backend"], r["dtype"]) not in said],
                                  lambda r: (r["backend"], r["dtype"])) if report["memory"] else []
-    out = [Section("Summary", top, False, memory_skips)]
+    out = [Section("", top, False, memory_skips)]  # the summary, right under the chart
+    if report["small_model"]:
+        out.append(small_model_section(report))
     if report["parity"]:
         out += parity_tables(report)
     if report["bench"]:
@@ -432,6 +461,8 @@ def to_markdown(report: dict, plot_file: Optional[str]) -> str:
     for section in sections(report):
         if section.folded:
             lines += ["<details>", f"<summary>{html.escape(section.title)}</summary>", ""]
+        elif section.title:
+            lines += [f"## {section.title}", ""]
         lines += [f"- {line}" for line in section.lines] + ([""] if section.lines else [])
         for t in section.tables:
             lines += markdown_table(t)
@@ -477,7 +508,8 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
         if section.folded:
             parts.append(f"<details><summary>{e(section.title)}</summary>{inner}</details>")
         elif inner:
-            parts.append(f"<section>{inner}</section>")
+            heading = f"<h2>{e(section.title)}</h2>" if section.title else ""
+            parts.append(f"<section>{heading}{inner}</section>")
     if report["notes"]:
         parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in report["notes"]) + "</ul>")
     template = string.Template(resources.files(__package__).joinpath("template.html").read_text())
@@ -502,7 +534,7 @@ def write_report(report: dict, out: Path) -> dict:
 
 def print_summary(console, report: dict) -> None:
     """The terminal in the report's order: headline and verdict lines, the recommendation and why,
-    then the compact trade-off and memory tables."""
+    then the compact trade-off and memory tables, and the GPT-2-Small-size table."""
     from rich.markup import escape
 
     styles = {"passed": "green", "failed": "bold red", "skipped": "dim"}
@@ -518,6 +550,9 @@ def print_summary(console, report: dict) -> None:
         console.print(rich_table(tradeoff_table(report)))
     if report["memory"]:
         console.print(rich_table(memory_table(report)))
+    if report["small_model"]:
+        section = small_model_section(report)
+        console.print(rich_table(section.tables[0]._replace(title=f"{section.title}: {section.tables[0].title}")))
 
 
 def rich_table(t: Table):
