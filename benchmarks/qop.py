@@ -107,7 +107,7 @@ def per_thread_count(args, thread_counts):
     with tempfile.TemporaryDirectory() as tmp:
         for threads in thread_counts:
             out = pathlib.Path(tmp) / f"{threads}.json"
-            subprocess.run([sys.executable, "-m", __name__, "--rounds", str(args.rounds), "--prefill-rounds",
+            subprocess.run([sys.executable, "-m", __spec__.name, "--rounds", str(args.rounds), "--prefill-rounds",
                             str(args.prefill_rounds), "--prefill-tokens", str(args.prefill_tokens), "--k", ",".join(map(str, args.k)),
                             "--threads", str(threads), "--json", str(out), "--child"], check=True,
                            cwd=pathlib.Path(__file__).resolve().parent.parent)
