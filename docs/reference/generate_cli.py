@@ -41,7 +41,7 @@ def main(argv) -> int:
     text = page()
     if argv == ["--check"]:
         if PAGE.read_text(encoding="utf-8") != text:
-            print(f"{PAGE} is stale: run .venv/bin/python {pathlib.Path(__file__).as_posix()}", file=sys.stderr)
+            print("docs/reference/cli.md is stale: run .venv/bin/python docs/reference/generate_cli.py", file=sys.stderr)
             return 1
         return 0
     if argv:
