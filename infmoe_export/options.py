@@ -192,9 +192,11 @@ CHOICES_TABLE = "\n".join([
 ])
 
 
-def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DEPLOYMENTS, target: bool = False):
+def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DEPLOYMENTS, target: bool = False,
+                          dtype_names: Sequence[str] = ("--dtype",)):
     """The flags of export_choices on a command: --for (among deployments), --dtype (a
-    comma-separated list where many), --quantize-other, --block-size, and --target where asked.
+    comma-separated list where many; dtype_names: its spellings), --quantize-other, --block-size,
+    and --target where asked.
     Every default is None (a flag not given): export_choices applies the defaults. The choices'
     table is in the help of the command with --target (onnx)."""
     from .contract import TARGETS
@@ -206,7 +208,7 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
         options = [
             click.option("--for", "deploy", type=click.Choice(deployments), default=None,
                          help=f"The runtime the model is for: {runtimes}. The table: {table}."),
-            click.option("--dtype", default=None, type=None if many else click.Choice(PRECISIONS),
+            click.option(*dtype_names, "dtype", default=None, type=None if many else click.Choice(PRECISIONS),
                          help="Weights: fp32 (the default), fp16 (the experts in float16), int8 / int4 (every matrix "
                               f"but the router, LayerNorms and biases{tensorrt})."
                               + (" Comma-separated: one model each." if many else "")),

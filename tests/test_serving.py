@@ -22,6 +22,7 @@ from google.protobuf import text_format  # noqa: E402
 from infmoe_export.checkpoint import load_checkpoint  # noqa: E402
 from infmoe_export.contract import ExportedModel  # noqa: E402
 from infmoe_export.errors import InfMoEError  # noqa: E402
+from infmoe_export.options import export_choices  # noqa: E402
 from infmoe_export.runtimes.generate import generate  # noqa: E402
 from infmoe_export.runtimes.ort import OrtRunner  # noqa: E402
 from infmoe_export.serving import config as cfg  # noqa: E402
@@ -38,9 +39,11 @@ CLI = os.path.join(os.path.dirname(sys.executable), "infmoe-export")
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
-    """The bundled model's repository for K = 1 and 8 (exported and validated once)."""
+    """The bundled model's repository for K = 1 and 8 at fp32 (the default: what `run` runs) and
+    all-int4, each the onnxruntime target (exported and validated once)."""
     out = tmp_path_factory.mktemp("serving") / "repo"
-    build_repository(load_checkpoint(None), out, KS)
+    model = load_checkpoint(None)
+    build_repository(model, out, KS, export_choices(model.config, ["fp32", "int4"]))
     return out
 
 
@@ -62,19 +65,24 @@ def _parse(path):
 
 def test_every_config_parses_with_tritons_schema(repository):
     configs = sorted(repository.glob("*/config.pbtxt"))
-    assert [c.parent.name for c in configs] == ["infmoe", "infmoe_k1_fp32", "infmoe_k8_fp32"]
+    assert [c.parent.name for c in configs] == ["infmoe", "infmoe_k1_fp32", "infmoe_k1_int4", "infmoe_k8_fp32",
+                                                 "infmoe_k8_int4"]
     front = _parse(repository / "infmoe" / "config.pbtxt")
     assert front.backend == "python" and front.max_batch_size == cfg.MAX_BATCH
     assert front.sequence_batching.WhichOneof("strategy_choice") == "oldest"
-    assert sorted(cfg.routes_of(front)) == ["1/fp32", "8/fp32"]
+    assert front.parameters["default_precision"].string_value == "fp32"
+    assert sorted(cfg.routes_of(front)) == ["1/fp32", "1/int4", "8/fp32", "8/int4"]
     for k in KS:
-        model = _parse(repository / f"infmoe_k{k}_fp32" / "config.pbtxt")
-        assert model.platform == "onnxruntime_onnx" and model.parameters["infmoe.k"].string_value == str(k)
-        library = model.model_operations.op_library_filename[0]
-        assert library == f"{repository.resolve()}/infmoe_k{k}_fp32/libinfmoe_ort.so" and os.path.isfile(library)
-        io = ExportedModel.read(repository / f"infmoe_k{k}_fp32" / "1" / "model.onnx").io
-        assert [i.name for i in model.input] == io.input_names
-        assert [o.name for o in model.output] == io.output_names
+        for precision, label in (("fp32", "onnxruntime fp32"), ("int4", "onnxruntime all-int4")):
+            name = f"infmoe_k{k}_{precision}"
+            model = _parse(repository / name / "config.pbtxt")
+            assert model.platform == "onnxruntime_onnx" and model.parameters["infmoe.k"].string_value == str(k)
+            library = model.model_operations.op_library_filename[0]
+            assert library == f"{repository.resolve()}/{name}/libinfmoe_ort.so" and os.path.isfile(library)
+            io = ExportedModel.read(repository / name / "1" / "model.onnx").io
+            assert io.label == label == read_repository(repository)["routes"][f"{k}/{precision}"]["exported"]
+            assert [i.name for i in model.input] == io.input_names
+            assert [o.name for o in model.output] == io.output_names
     assert read_repository(repository)["routes"]["8/fp32"]["triton"] == "infmoe_k8_fp32"
 
 
@@ -99,6 +107,21 @@ def test_greedy_tokens_equal_run_for_k1_and_k8_in_one_server(server, repository)
     grpc = FrontClient(server.grpc_url, "grpc")
     model = ExportedModel.read(repository / "infmoe_k8_fp32" / "1" / "model.onnx")
     assert grpc.generate(list(b"def f("), 8, 12) == generate(OrtRunner(model.io, model), list(b"def f("), 12)
+
+
+def test_all_int4_is_served_as_run_runs_it(server, repository, tmp_path):
+    """The request parameter precision=int4 runs the all-int4 model: `run --dtype int4` prints
+    the same tokens (its own export of the same choice)."""
+    client = FrontClient(server.http_url)
+    for k in KS:
+        model = ExportedModel.read(repository / f"infmoe_k{k}_int4" / "1" / "model.onnx")
+        expected = generate(OrtRunner(model.io, model), list(b"import os"), 16)
+        assert client.generate(list(b"import os"), k, 16, precision="int4") == expected, f"K={k}"
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    printed = subprocess.run([CLI, "run", "--prompt", "class A", "--k", "8", "--dtype", "int4",
+                              "--max-new-tokens", "16"], capture_output=True, env=env, timeout=180, check=True).stdout
+    served = client.generate(list(b"class A"), 8, 16, precision="int4")
+    assert printed.rstrip(b"\n") == b"class A" + bytes(served)
 
 
 def test_run_command_prints_what_the_server_generates(server, tmp_path):
@@ -230,6 +253,24 @@ def test_killed_model_process_recovers_and_no_request_is_lost(repository):
             time.sleep(0.5)
         assert server.restarts >= 1 and server.stub_pids() and not set(server.stub_pids()) & set(killed)
         assert len(FrontClient(server.http_url).generate(list(b"again"), 8, 4)) == 4
+
+
+def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
+    """--dtype (or its older spelling --precision) int8: the all-int8 onnxruntime model, named in
+    the output; the choice is checked before anything is written."""
+    code, out, err = run_cli("triton-repo", "--out", tmp_path / "repo", "--k", "1", "--precision", "int8")
+    assert code == 0, err
+    assert read_repository(tmp_path / "repo")["routes"] == {"1/int8": {
+        "onnx": "infmoe_k1_int8/1/model.onnx", "triton": "infmoe_k1_int8", "past_shape": "[4, 0, 32]",
+        "exported": "onnxruntime all-int8"}}
+    assert "(onnxruntime all-int8)" in out and "export K=1 onnxruntime all-int8" in err
+    for args, message in ((["--dtype", "fp32", "--quantize-other", "int4"], "applies to int8 / int4 models"),
+                          (["--dtype", "int4", "--block-size", "8"], "--block-size")):
+        code, _, err = run_cli("triton-repo", "--out", tmp_path / "bad", *args)
+        assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "bad").exists()
+    code, _, err = run_cli("serve", "--repo", tmp_path / "repo", "--dtype", "int4")
+    assert code == 1 and "cannot be combined with --repo" in err
 
 
 def test_cli_serve_and_triton_repo(repository, tmp_path):

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
 from ..errors import InfMoEError
-from ..options import positive_ints
+from ..options import choices_from_flags, export_choice_options, positive_ints
 from ..serving.repository import EXECUTORS, build_repository
 
 
@@ -15,8 +15,7 @@ from ..serving.repository import EXECUTORS, build_repository
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="The checkpoint (default: the bundled model).")
 @click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets, one model each.")
-@click.option("--precision", "precisions", default="fp32", show_default=True,
-              help="fp32, fp16 (expert part in float16) or both: fp32,fp16.")
+@export_choice_options(many=True, deployments=("onnxruntime", "portable"), dtype_names=("--dtype", "--precision"))
 @click.option("--engines", type=click.Path(path_type=Path), default=None,
               help="A TensorRT engine folder (`infmoe-export trt`): one TensorRT-backend model per engine.")
 @click.option("--mount-path", default=None,
@@ -25,21 +24,25 @@ from ..serving.repository import EXECUTORS, build_repository
 @click.option("--executor", type=click.Choice(EXECUTORS), default="local", show_default=True,
               help="How the front model runs the per-K models: in its own onnxruntime, or through Triton (BLS).")
 @click.option("--no-kernel", is_flag=True, help="Leave the kernel library out (the fallback function runs).")
-def triton_repo_command(out, checkpoint, ks, precisions, engines, mount_path, executor, no_kernel):
-    """Write a Triton model repository: per-K onnxruntime (and TensorRT) models and a decoding front model."""
+def triton_repo_command(out, checkpoint, ks, deploy, dtype, quantize_other, block_size, engines, mount_path, executor,
+                        no_kernel):
+    """Write a Triton model repository: per-K onnxruntime (and TensorRT) models, exported as --for and
+    --dtype say (default: onnxruntime, fp32; the model `run` runs), and a decoding front model.
+    A request picks the precision with the parameter `precision` (default: the first of fp32, fp16,
+    int8, int4 that the repository serves)."""
     k_list = positive_ints(ks, "--k")
-    precision_list = [p.strip() for p in precisions.split(",") if p.strip()]
-    if not precision_list:
-        raise InfMoEError("--precision needs at least one of fp32, fp16")
     if mount_path is not None and (not mount_path.startswith("/") or "\n" in mount_path or '"' in mount_path):
         raise InfMoEError("--mount-path must be an absolute path without quotes or newlines")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    choices = choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size)
     model = load_checkpoint(checkpoint)
     inputs = [source] + ([Path(engines)] if engines is not None else [])
-    result = build_repository(model, out, sorted(set(k_list)), list(dict.fromkeys(precision_list)), engines=engines,
+    for note in dict.fromkeys(c.note for c in choices if c.note):
+        click.echo(f"note: {note}", err=True)
+    result = build_repository(model, out, sorted(set(k_list)), choices, engines=engines,
                               mount_path=mount_path, executor=executor, kernel=not no_kernel, inputs=inputs,
                               progress=lambda text: click.echo(text, err=True))
     for warning in result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
-    click.echo(f"wrote {out}: {', '.join(result['models'])}")
+    click.echo(f"wrote {out}: {', '.join(result['models'])} ({', '.join(c.label for c in choices)})")
     click.echo(f"serve it: infmoe-export serve --repo {out}")

@@ -75,15 +75,18 @@ class FrontClient:
             raise ServingError(f"{type(error).__name__}: {error}") from None
         return int(result.as_numpy("NEXT_TOKEN").reshape(-1)[0]), result.as_numpy("LOGITS")[0]
 
-    def generate(self, prompt_ids: Sequence[int], k: int, max_new_tokens: int, *,
+    def generate(self, prompt_ids: Sequence[int], k: int, max_new_tokens: int, *, precision: Optional[str] = None,
                  sequence_id: Optional[int] = None, on_token=None) -> List[int]:
-        """Greedy tokens after the prompt, as `infmoe-export run` prints them."""
+        """Greedy tokens after the prompt, as `infmoe-export run` prints them; precision: the
+        server's default when None."""
         sequence_id = sequence_id or new_sequence_id()
         tokens: List[int] = []
         ids = list(prompt_ids)
         for index in range(max_new_tokens):
             last = index == max_new_tokens - 1
-            token, _ = self.step(sequence_id, ids, start=index == 0, end=last, k=k if index == 0 else None)
+            first = index == 0
+            token, _ = self.step(sequence_id, ids, start=first, end=last, k=k if first else None,
+                                 precision=precision if first else None)
             tokens.append(token)
             if on_token is not None:
                 on_token(token)

@@ -73,11 +73,12 @@ def tensorrt_model_config(name: str, decoder_io: DecoderIO) -> str:
             'parameters { key: "infmoe.k" value { string_value: "%d" } }\n' % decoder_io.k)
 
 
-def front_model_config(models: Dict[str, Dict[str, str]], decoder_io: DecoderIO, executor: str = "local") -> str:
+def front_model_config(models: Dict[str, Dict[str, str]], decoder_io: DecoderIO, executor: str = "local",
+                       default_precision: str = "fp32") -> str:
     """The decoding front model (Python backend, sequence batching, oldest-first strategy so that
     the steps of different sequences are batched together). `models` maps "K/precision" to
     {"onnx": path relative to the repository, "triton": the per-K model's name}; the expert
-    budget and precision are request parameters (`k`, `precision`)."""
+    budget and precision are request parameters (`k`, `precision`, default default_precision)."""
     routes, inputs, outputs = (_quote(json.dumps(v, sort_keys=True)) for v in (models, decoder_io.input_names, decoder_io.output_names))
     vocab_size, n_positions = decoder_io.config.vocab_size, decoder_io.config.n_positions
     return f"""name: "{FRONT_MODEL}"
@@ -102,6 +103,7 @@ sequence_batching {{
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 parameters {{ key: "routes" value {{ string_value: "{routes}" }} }}
 parameters {{ key: "executor" value {{ string_value: "{executor}" }} }}
+parameters {{ key: "default_precision" value {{ string_value: "{_quote(default_precision)}" }} }}
 parameters {{ key: "n_positions" value {{ string_value: "{n_positions}" }} }}
 parameters {{ key: "input_names" value {{ string_value: "{inputs}" }} }}
 parameters {{ key: "output_names" value {{ string_value: "{outputs}" }} }}

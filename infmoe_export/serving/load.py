@@ -34,9 +34,10 @@ def check_loopback(url: str) -> None:
 
 def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream: int = 4, tokens: int = 24,
              deadline_s: float = 120.0, protocol: str = "http", timeout: float = 30.0,
-             during=None) -> Dict:
-    """One load level. `during(stop_event)` runs in its own thread while the load runs (the
-    fault test kills a process there). Returns the figures and every failure."""
+             precision: Optional[str] = None, during=None) -> Dict:
+    """One load level, every sequence at precision (default: the server's). `during(stop_event)`
+    runs in its own thread while the load runs (the fault test kills a process there). Returns the
+    figures and every failure."""
     check_loopback(url)
     latencies: List[float] = []
     failures: List[str] = []
@@ -59,8 +60,9 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
                     with lock:
                         sent[0] += 1
                     try:
-                        token, _ = client.step(sequence_id, ids, start=step == 0, end=step == tokens - 1,
-                                               k=k if step == 0 else None)
+                        first = step == 0
+                        token, _ = client.step(sequence_id, ids, start=first, end=step == tokens - 1,
+                                               k=k if first else None, precision=precision if first else None)
                     except ServingError as error:
                         with lock:
                             failures.append(str(error)[:200])
@@ -87,7 +89,7 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
         helper.join(timeout)
     hung = sum(thread.is_alive() for thread in threads)
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
-    return {"streams": streams, "ks": list(ks), "requests": sent[0], "completed": completed[0],
+    return {"streams": streams, "ks": list(ks), "precision": precision, "requests": sent[0], "completed": completed[0],
             "failed": len(failures), "hung_streams": hung, "seconds": round(elapsed, 3),
             "tokens_per_s": round(completed[0] / elapsed, 2), "p50_ms": round(float(np.percentile(lat, 50)), 2),
             "p99_ms": round(float(np.percentile(lat, 99)), 2), "failures": failures[:10]}
@@ -99,13 +101,15 @@ def main(argv: Optional[Sequence[str]] = None):
     parser.add_argument("--protocol", default="http", choices=["http", "grpc"])
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--k", default="1,2,4,8")
+    parser.add_argument("--precision", default=None, help="the request parameter precision (default: the server's)")
     parser.add_argument("--sequences", type=int, default=4, help="sequences per stream")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per sequence")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds per level at most")
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.k.split(",")]
     rows = [run_load(args.url, int(s), ks, sequences_per_stream=args.sequences, tokens=args.tokens,
-                     deadline_s=args.deadline, protocol=args.protocol) for s in args.streams.split(",")]
+                     deadline_s=args.deadline, protocol=args.protocol, precision=args.precision)
+            for s in args.streams.split(",")]
     print("| streams | requests | completed | failed | tokens/s | p50 ms/token | p99 ms/token |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,8 +1,9 @@
 """`infmoe-export triton-repo`: a Triton model repository for one checkpoint.
 
     OUT/infmoe/config.pbtxt, 1/model.py           the decoding front model (Python backend)
-    OUT/infmoe_k{K}_{precision}/config.pbtxt       one onnxruntime-backend model per (K, precision),
-        1/model.onnx, libinfmoe_ort.so              the kernel library beside it, in model_operations
+    OUT/infmoe_k{K}_{precision}/config.pbtxt       one onnxruntime-backend model per (K, precision): the
+        1/model.onnx, libinfmoe_ort.so              export choice of that precision (options.ExportChoice,
+                                                    as `run` exports it), the kernel library beside it
     OUT/infmoe_k{K}_{precision}_trt/1/model.plan   one TensorRT-backend model per engine (--engines)
 
 Every config.pbtxt is parsed with Triton's schema before it is written; the repository is
@@ -18,11 +19,11 @@ from ..contract import DecoderIO
 from ..errors import InfMoEError
 from ..export import export_onnx
 from ..files import atomic_write, check_replaceable_dir, staged_dir
+from ..options import ExportChoice, export_choices
 from ..runtimes.ort_kernel import custom_op_library
 from ..verify.validate import validate_onnx
 from . import config as cfg
 
-PRECISIONS = ("fp32", "fp16")
 EXECUTORS = ("local", "bls")
 LIBRARY = "libinfmoe_ort.so"
 
@@ -33,18 +34,21 @@ def _write_config(folder: Path, text: str) -> Path:
     return atomic_write(folder / "config.pbtxt", text)
 
 
-def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = ("fp32",), *,
+def build_repository(model, out, ks: Sequence[int], choices: Optional[Sequence[ExportChoice]] = None, *,
                      engines: Optional[Path] = None, mount_path: Optional[str] = None, executor: str = "local",
                      kernel: bool = True, inputs: Sequence[Path] = (),
                      progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[str]]:
-    """Write the repository; {"models": [...names], "warnings": [...]}."""
+    """Write the repository: per K, one model per export choice (default: export_choices', what
+    `run` runs), each served as the precision its --dtype names (the request parameter
+    `precision`; the first choice's when a request gives none). {"models": [...], "warnings": [...]}."""
     cfg.require_schema()
     out = check_replaceable_dir(Path(out), inputs=inputs)
     if not ks or any(k < 1 for k in ks):
         raise InfMoEError("--k needs positive expert budgets")
-    for precision in precisions:
-        if precision not in PRECISIONS:
-            raise InfMoEError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    choices = list(choices or export_choices(model.config))
+    precisions = [choice.dtype for choice in choices]
+    if len(set(precisions)) < len(precisions):
+        raise InfMoEError(f"one export choice per precision, got {', '.join(c.label for c in choices)}")
     if executor not in EXECUTORS:
         raise InfMoEError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     manifest = None
@@ -60,16 +64,17 @@ def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = 
         library = None
     names, routes = [], {}
     with staged_dir(out) as stage:
-        for precision in precisions:
+        for choice in choices:
+            precision = choice.dtype
             for k in ks:
                 name = cfg.model_name(k, precision)
                 folder = stage / name
                 if progress:
-                    progress(f"export K={k} {precision}")
+                    progress(f"export K={k} {choice.label}")
                 # Straight into Triton's layout: an external-data file stays beside its graph.
-                exported = export_onnx(model, folder / "1" / "model.onnx", k=k, dtype=precision)
+                exported = export_onnx(model, folder / "1" / "model.onnx", k=k, **choice.options())
                 if progress:
-                    progress(f"validate K={k} {precision}")
+                    progress(f"validate K={k} {choice.label}")
                 validate_onnx(model, exported)
                 lib_path = None
                 if library is not None:
@@ -79,7 +84,8 @@ def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = 
                 decoder_io = exported.io
                 past_shape = [decoder_io.config.n_head, 0, decoder_io.config.head_dim]
                 routes[f"{exported.k}/{precision}"] = {"onnx": f"{name}/1/model.onnx", "triton": name,
-                                                       "past_shape": json.dumps(past_shape)}
+                                                       "past_shape": json.dumps(past_shape),
+                                                       "exported": exported.io.label}
                 names.append(name)
                 front_io = decoder_io
         if manifest is not None:
@@ -98,7 +104,7 @@ def build_repository(model, out, ks: Sequence[int], precisions: Sequence[str] = 
         (front / "1").mkdir(parents=True)
         source = resources.files("infmoe_export.serving").joinpath("triton_model.py").read_text()
         atomic_write(front / "1" / "model.py", source)
-        _write_config(front, cfg.front_model_config(routes, front_io, executor))
+        _write_config(front, cfg.front_model_config(routes, front_io, executor, default_precision=precisions[0]))
         names.insert(0, cfg.FRONT_MODEL)
         atomic_write(stage / "repository.json", json.dumps(
             {"front_model": cfg.FRONT_MODEL, "routes": routes, "models": names, "executor": executor,

@@ -7,7 +7,8 @@ One request is one step of one sequence (Triton's sequence batcher: a correlatio
 the first step, END on the last): INPUT_IDS are the new tokens (the prompt on the first step,
 then the token just generated), and the reply is the greedy next byte and the last position's
 logits. The KV cache of every live sequence stays here, keyed by its correlation id. The
-expert budget is the request parameter `k` (and `precision`, default fp32), fixed at START.
+expert budget is the request parameter `k` (and `precision`, default: the repository's first,
+model parameter `default_precision`), fixed at START.
 Steps of different sequences that arrive together (the batcher's oldest-first strategy hands
 them over in one execute) with the same K, precision and new-token count run as one batch:
 each cache is left-padded to the longest, the padding masked by attention_mask, which the
@@ -37,14 +38,14 @@ class RequestError(Exception):
     """A bad request: answered with INVALID_ARG (HTTP 400), the server keeps serving."""
 
 
-def parse_parameters(text, routes):
+def parse_parameters(text, routes, default_precision="fp32"):
     """(k, precision) from a request's JSON parameters; RequestError when unknown."""
     try:
         params = json.loads(text or "{}")
     except ValueError:
         raise RequestError("request parameters are not JSON") from None
     k = params.get("k")
-    precision = params.get("precision", "fp32")
+    precision = params.get("precision", default_precision)
     if k is None:
         return None, precision
     if isinstance(k, str) and k.strip().isdigit():
@@ -91,6 +92,7 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.routes = json.loads(params["routes"])
         self.executor = params.get("executor", "local")
+        self.default_precision = params.get("default_precision", "fp32")
         self.n_positions = int(params["n_positions"])
         self.idle_seconds = float(params.get("idle_seconds", "60"))
         self.repository = os.path.dirname(os.path.abspath(args["model_repository"]))
@@ -168,7 +170,7 @@ class TritonPythonModel:
     def _admit(self, request, now):
         """((route, n_new), Sequence, ids [1, n]) for a valid request; RequestError otherwise."""
         corrid = self._corrid(request)
-        k, precision = parse_parameters(request.parameters(), self.routes)
+        k, precision = parse_parameters(request.parameters(), self.routes, self.default_precision)
         ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy().reshape(1, -1).astype(np.int64)
         if ids.shape[1] == 0:
             raise RequestError("INPUT_IDS is empty: give at least one token")
