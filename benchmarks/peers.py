@@ -312,6 +312,8 @@ def print_result(result: dict) -> None:
     for row in table_rows(result):
         table.add_row(*row)
     console = Console()
+    if not console.is_terminal:  # a log file: rows on one line each
+        console.width = 200
     console.print(table)
     for skipped, reason in result["skipped"].items():
         console.print(f"{skipped}: skipped ({reason})")
@@ -365,7 +367,8 @@ def build_contenders(plan: Plan, threads: int, scratch: Path, skip_llama: bool, 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few configurations: a smoke run")
     parser.add_argument("--rounds", type=arguments.count(1, 1000), default=5, help="interleaved rounds per measurement")
     parser.add_argument("--threads", type=arguments.thread_count, default=2, help="threads of every runtime")

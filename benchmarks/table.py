@@ -1,5 +1,7 @@
-"""The README's results table, generated from benchmarks/results/: the side-by-side run
-(peers.json) as one Markdown table, with the machine, the date and the versions that measured it.
+"""The README's results table, generated from benchmarks/results/peers.json.
+
+The side-by-side run as one Markdown table, with the machine, the date and the versions that
+measured it, and the goals it judged.
 
     .venv/bin/python -m benchmarks.table            # rewrite the README between the markers
     .venv/bin/python -m benchmarks.table --print    # the block on stdout, the README untouched
@@ -98,7 +100,8 @@ def replace_block(readme: str, block: str) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.table", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--results", type=Path, default=record.RESULTS, help="the results folder")
     parser.add_argument("--readme", type=Path, default=README, help="the README to rewrite")
     parser.add_argument("--print", action="store_true", help="print the block instead of rewriting the README")
