@@ -6,6 +6,7 @@ target (Optimum, onnxruntime-genai with past_present_share_buffer, Polygraphy)."
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,11 +19,13 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+from infmoe_export.checkpoint import save_checkpoint  # noqa: E402
 from infmoe_export.contract import TARGETS, ExportedModel  # noqa: E402
 from infmoe_export.errors import InfMoEError  # noqa: E402
 from infmoe_export.export import export_onnx  # noqa: E402
 from infmoe_export.export.hf_folder import write_hf_folder  # noqa: E402
 from infmoe_export.model import InfMoEConfig  # noqa: E402
+from infmoe_export.options import export_choices  # noqa: E402
 from infmoe_export.runtimes.generate import generate  # noqa: E402
 from infmoe_export.runtimes.ort import OrtRunner, SharedCache  # noqa: E402
 from infmoe_export.runtimes.ort_kernel import custom_op_library, register  # noqa: E402
@@ -154,6 +157,116 @@ def test_cli_exports_the_onnxruntime_target(tmp_path, run_cli):
     code, _, err = run_cli("onnx", "--out", tmp_path / "m.onnx", "--target", "onnxruntime", "--k", "1")
     assert code == 0, err
     assert ExportedModel.read(tmp_path / "m.onnx").io.target == "onnxruntime"
+
+
+# ---------------------------------------------------------------------------------------------
+# The export choice: --for names the runtime, --dtype the weights (options.export_choices)
+
+
+def _labels(config, *args, **kwargs):
+    return [(c.label, c.block_size) for c in export_choices(config, *args, **kwargs)]
+
+
+def test_export_choices_resolve_the_flags():
+    assert _labels(CONFIG) == [("onnxruntime fp32", 32)]
+    assert _labels(CONFIG, ["fp32", "fp16", "int8", "int4"], block_size=64) == [
+        ("onnxruntime fp32", 32), ("onnxruntime fp16", 32), ("onnxruntime all-int8", 64), ("onnxruntime all-int4", 64)]
+    # the finer flags win: experts only, mixed, another target
+    assert _labels(CONFIG, ["int4"], quantize_other="none") == [("onnxruntime int4 experts", 32)]
+    assert _labels(CONFIG, ["int4"], quantize_other="int8") == [("onnxruntime int4 experts, int8 other", 32)]
+    assert _labels(CONFIG, ["int4"], deploy="portable") == [("portable all-int4", 32)]
+    assert _labels(CONFIG, ["int4"], target="tensorrt") == [("tensorrt int4 experts", 32)]
+    assert _labels(CONFIG, ["int4"], target="tensorrt", quantize_other="int4") == [("tensorrt all-int4", 32)]
+    # the default falls back where onnxruntime's attention cannot run; a named runtime is checked
+    odd = InfMoEConfig(**TINY)  # head_dim 5
+    fallback, = export_choices(odd, ["int8"])
+    assert fallback.label == "portable all-int8" and "head_dim 5" in fallback.note
+    assert export_choices(odd, ["int8"], deploy="portable")[0].note is None
+
+
+@pytest.mark.parametrize("config, kwargs, message", [
+    (CONFIG, dict(deploy="onnxruntime", target="portable"), "--target portable conflicts with --for onnxruntime"),
+    (CONFIG, dict(dtypes=["fp32", "fp16"], quantize_other="int4"), "--quantize-other int4 applies to int8 / int4"),
+    (CONFIG, dict(dtypes=["int4"], block_size=24), "--block-size: block size must be a power of two"),
+    (InfMoEConfig(**TINY), dict(deploy="onnxruntime"), "--for onnxruntime: this checkpoint's head_dim 5"),
+    (InfMoEConfig(**TINY), dict(target="onnxruntime"), "--target onnxruntime: this checkpoint's head_dim 5"),
+])
+def test_conflicting_flags_are_refused(config, kwargs, message):
+    with pytest.raises(InfMoEError, match=re.escape(message)):
+        export_choices(config, **kwargs)
+
+
+def test_for_tensorrt_needs_tensorrt():
+    from infmoe_export.runtimes.tensorrt import tensorrt_problem
+
+    problem = tensorrt_problem()
+    if problem is None:
+        assert _labels(CONFIG, ["int8"], deploy="tensorrt") == [("tensorrt int8 experts", 32)]
+    else:
+        with pytest.raises(InfMoEError, match=re.escape(f"--for tensorrt: {problem}")):
+            export_choices(CONFIG, deploy="tensorrt")
+
+
+def test_cli_int4_is_all_int4_for_onnxruntime(model, tmp_path, run_cli):
+    """`onnx --dtype int4`, nothing else: every matrix but the router, LayerNorms and biases
+    int4, read by QMatMul and the quantized expert op on the onnxruntime target; validated."""
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", tmp_path / "m.onnx", "--k", 2, "--dtype", "int4",
+                           "--block-size", 16)
+    assert code == 0, err
+    assert "(onnxruntime all-int4," in err and "validated" in err
+    exported = ExportedModel.read(tmp_path / "m.onnx")
+    assert exported.io.label == "onnxruntime all-int4" and exported.io.quantized == ["experts", "attention",
+                                                                                      "embedding"]
+    ops = _ops(exported.path)
+    assert ops[("infmoe", "QMatMul")] == 2 * CONFIG.n_layer + 1 and ops[("infmoe", "QContinuousSliceFFN")] == 2
+    assert not ops[("", "DequantizeLinear")] and not ops[("", "MatMul")]
+    code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", tmp_path / "f.onnx", "--no-validate")
+    assert code == 0, err
+    assert ExportedModel.read(tmp_path / "f.onnx").io.label == "onnxruntime fp32"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--for", "onnxruntime", "--target", "portable"], "--target portable conflicts with --for onnxruntime"),
+    (["--dtype", "fp32", "--quantize-other", "int8"], "--quantize-other int8 applies to int8 / int4 models"),
+    (["--for", "onnxruntime", "--odd"], "--for onnxruntime: this checkpoint's head_dim 5"),
+])
+def test_cli_conflicts_are_one_line_and_write_nothing(model, make_checkpoint, tmp_path, run_cli, args, message):
+    odd = "--odd" in args
+    ckpt = make_checkpoint() if odd else save_checkpoint(model, tmp_path / "ckpt")
+    before = sorted(tmp_path.rglob("*"))
+    code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", tmp_path / "m.onnx",
+                           *[a for a in args if a != "--odd"])
+    assert code == 1 and err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_cli_default_on_an_odd_head_dim_is_portable_with_a_note(make_checkpoint, tmp_path, run_cli):
+    code, _, err = run_cli("onnx", "--checkpoint", make_checkpoint(), "--out", tmp_path / "m.onnx", "--no-validate")
+    assert code == 0, err
+    assert ExportedModel.read(tmp_path / "m.onnx").io.target == "portable"
+    assert "note: the portable graph: this checkpoint's head_dim 5" in err
+
+
+def test_parity_and_bench_measure_the_export_choice(model, tmp_path, run_cli):
+    """Without --model, parity and bench export what `run` runs (onnxruntime; int4: all-int4),
+    and say so; with --model, the choice flags are refused."""
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    code, out, err = run_cli("parity", "--checkpoint", ckpt, "--out", tmp_path / "parity", "--dtype", "int4",
+                             "--block-size", 16, "--k", 1, "--backends", "ort", "--max-windows", 1,
+                             "--max-ppl-increase", 1000, "--min-top1", 0)
+    assert code == 0, err
+    assert "models: onnxruntime all-int4" in out
+    exported, = (tmp_path / "parity" / "models" / "int4").glob("*.onnx")
+    assert ExportedModel.read(exported).io.label == "onnxruntime all-int4"
+    rows = json.loads((tmp_path / "parity" / "report.json").read_text())["parity"]["results"]
+    assert {(r["backend"], r["status"]) for r in rows} == {("torch", "reference"), ("ort", "pass")}
+    code, out, err = run_cli("bench", "--checkpoint", ckpt, "--k", 1, "--batch", 1, "--seq", 1, "--past", 4,
+                             "--backends", "ort", "--warmup", 0, "--iters", 2, "--budget", 0.05)
+    assert code == 0, err
+    assert "models: onnxruntime fp32" in out
+    code, _, err = run_cli("bench", "--checkpoint", ckpt, "--model", exported, "--dtype", "int8")
+    assert code == 1 and "cannot be combined with --model" in err
 
 
 # ---------------------------------------------------------------------------------------------
