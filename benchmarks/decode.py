@@ -1,4 +1,4 @@
-"""Issue 16's benchmark: a decode step against its roofline, per export target.
+"""A decode step against its roofline, per export target.
 
     .venv/bin/python -m benchmarks.decode [--k 1,2,8] [--threads 2,1] [--json benchmarks/results/decode.json]
 
@@ -21,14 +21,14 @@ Per K and thread count:
   decode sample over the roofline at the best bandwidth sample (on a busy machine both sides'
   best are the closest to an idle one's);
 - the fixed cost of a step: the same graph (12 layers, 12 heads) with tiny weights, at past 128
-  (issue 16's figure) and at past 1 (the same without attention over a cache);
+  (the goal's figure) and at past 1 (the same without attention over a cache);
 - node counts of both targets, as exported and after onnxruntime's optimizations (the saved
   optimized model), with what remains.
 
 The machine is shared: every figure is a median over rounds that interleave what is compared,
 each sample after a pause (timing.settle) in which the previous session's pool threads stop
 spinning; within a sample the steps run back to back, as in a generation.
-Last, each of issue 16's targets for the onnxruntime target, met or not (also in the JSON,
+Last, each of the decode goals (GOALS) for the onnxruntime target, met or not (also in the JSON,
 `goals_met`, which is rewritten atomically after each configuration).
 """
 
@@ -62,7 +62,7 @@ from .shapes import SMALL
 TINY_WEIGHTS = InfMoEConfig(vocab_size=256, n_positions=1024, d_model=96, n_layer=12, n_head=12, ffn_hidden=96,
                             slice_width=24, num_samples=2)
 PASTS, SWEEP, SWEEP_K = (128, 512), (1, 128, 512, 1000), 2
-FIXED_PASTS = (1, 128)  # issue 16's fixed cost is the last
+FIXED_PASTS = (1, 128)  # the fixed-cost goal is at the last
 TARGETS = ("portable", "onnxruntime")
 FALLBACK = "onnxruntime-fallback"
 VARIANTS = TARGETS + (FALLBACK,)
@@ -108,7 +108,7 @@ def run_rounds(decoders, bandwidth, pasts, rounds, steps):
 
 
 def fixed_cost(scratch: Path, threads_list, rounds: int, steps: int) -> dict:
-    """The tiny-weights graph at past 128 (issue 16's fixed cost) and at past 1 (without the
+    """The tiny-weights graph at past 128 (the fixed-cost goal's) and at past 1 (without the
     attention over a cache): per thread count, past and target, the median, quartiles and best
     of the samples, each the median of `steps` steps."""
     model = InfMoEGPT(TINY_WEIGHTS).eval()
@@ -129,7 +129,7 @@ def fixed_cost(scratch: Path, threads_list, rounds: int, steps: int) -> dict:
 
 
 def verdicts(result) -> list:
-    """Issue 16's targets against what was measured: met when the median and the best sample
+    """The goals against what was measured: met when the median and the best sample
     both are within the goal."""
     lines = []
     for row in result["fixed_cost"]["ms"]:
@@ -203,7 +203,7 @@ def main():
                 e.path.unlink()
     result["goals_met"] = verdicts(result)
     write()
-    print("issue 16, onnxruntime target (median; best sample):")
+    print("goals, onnxruntime target (median; best sample):")
     for line in result["goals_met"]:
         print(f"  {line['what']}: {line['median']:.3f} ({line['best']:.3f}) against {line['goal']}: {line['met']}")
     print(f"results: {args.json}")

@@ -1,4 +1,4 @@
-"""Issue 13's latency figure on the GPT-2-Small-size model: what K = 1 → 8 costs a batch-1 decode step.
+"""The latency figure of K on the GPT-2-Small-size model: what K = 1 → 8 costs a batch-1 decode step.
 
     .venv/bin/python -m benchmarks.k_latency [--runs 3] [--iters 100] [--budget 15] [--json benchmarks/results/k_latency.json]
 

@@ -1,4 +1,4 @@
-"""Issue 4's model-level benchmark: is the compiled kernel worth it on a whole model?
+"""The model-level benchmark: is the compiled kernel worth it on a whole model?
 
     .venv/bin/python -m benchmarks.ort [--k 1,2,4,8] [--json benchmarks/results/ort.json]
 

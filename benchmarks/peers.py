@@ -28,7 +28,8 @@ the median of a few back-to-back steps):
   (infmoe_export.report.memory for onnxruntime, benchmarks.llama for llama.cpp), and the model's
   share of it (peak minus the process before loading).
 
-Then issue 32's goals that this run can judge. Results: benchmarks/results/peers.json; the README's
+Then the goals that this run can judge (PEER_GOALS: ours against llama.cpp; and the batched
+curve, which must never fall as B grows). Results: benchmarks/results/peers.json; the README's
 table comes from it (python -m benchmarks.table).
 """
 
@@ -71,7 +72,7 @@ class Plan:
 QUICK = Plan(precisions=("all-int4",), ks=(BATCHED_K,), llama_sizes=("Small",), llama_types=("Q4_0",),
              pasts=(128,), batches=(1, 4), prefills=(128,), steps=3)
 
-# Issue 32's goals, each (what, ours, peer or None, measurement, at least): measurement is
+# The goals against the peers, each (what, ours, peer or None, measurement, at least): measurement is
 # ("decode", past), ("batched", B) or ("prefill", tokens); without a peer, a goal on the curve.
 OURS_K2, OURS_K8 = "ours all-int4 K=2", "ours all-int4 K=8"
 SMALL_Q4, MEDIUM_Q4 = "llama.cpp Small Q4_0", "llama.cpp Medium Q4_0"
@@ -255,7 +256,7 @@ def figure(result: dict, measurement: tuple, name: str) -> Optional[float]:
 
 
 def goals(result: dict) -> List[dict]:
-    """Issue 32's goals that this run measured: ratios of ours to a peer, and the batched curve."""
+    """The goals that this run measured: ratios of ours to a peer, and the batched curve."""
     out = []
     for what, ours, peer, measurement, least in PEER_GOALS:
         a, b = figure(result, measurement, ours), figure(result, measurement, peer)

@@ -1,6 +1,6 @@
 """The expert op's streaming speed, float and quantized, beside onnxruntime's own MatMul, in one run
-(issue 16 item 3, issue 10's op-alone figures), on the op benchmark's GPT-2-Small-size layer (D 768,
-H 6144, r 1536, 12 weight copies cycled so that weights come from memory).
+(the op-alone figures of the kernel and of quantization), on the op benchmark's GPT-2-Small-size
+layer (D 768, H 6144, r 1536, 12 weight copies cycled so that weights come from memory).
 
 Decode (one token), K = 1, 2, 8, at 1 and 2 intra-op threads: the fp32, int8 and int4 op and a
 MatMul [1, 768] x [768, 12288] cycling over 12 weights (453 MB, each reused as seldom as the op's
@@ -84,7 +84,7 @@ def layers(rng, h: int, copies: int):
 
 
 def print_targets(results):
-    """Each target (issue 10: int4 op >= 5x the fp32 op at decode, int8 >= 2.5x; issue 16: fp32 op
+    """Each target (int4 op >= 5x the fp32 op at decode, int8 >= 2.5x; fp32 op
     GB/s >= 0.95x onnxruntime's MatMul, fixed cost per node < 5 us) beside the range measured."""
     print("\ntargets (decode ratios: the range over K; met when the worst K meets it)")
     for threads in sorted({row["threads"] for row in results["decode"]}):

@@ -1,4 +1,4 @@
-"""Issue 10's whole-model benchmark: is a quantized ∞-MoE faster by the bytes it saves?
+"""The whole-model quantization benchmark: is a quantized ∞-MoE faster by the bytes it saves?
 
     .venv/bin/python -m benchmarks.quant_model [--k 1,2,8] [--memory] [--json benchmarks/results/quant_model.json]
 
