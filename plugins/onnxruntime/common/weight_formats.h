@@ -9,7 +9,6 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-constexpr int64_t kDecodeMaxTokens = 3;    // up to this many tokens: the decode path
 // decode: weight bytes (w_in + w_out) per work item at most. 512 KB against 256 KB: 0.91-0.99x the
 // time (longer streams); 1 MB: 2-4 % faster still at one thread, but few chunks to share (int4,
 // K = 1: two).

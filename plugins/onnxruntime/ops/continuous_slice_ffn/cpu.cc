@@ -19,7 +19,9 @@
 // so every bit of the result) is the same for any number of threads.
 // Compiled once per CPU variant (common/variant.h).
 #include "common/variant.h"
+#include "common/batched.h"
 #include "common/gemm.h"
+#include "common/paths.h"
 #include "common/weight_formats.h"
 #include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
 
@@ -95,7 +97,8 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
   thread_local std::vector<Range> windows;
   std::vector<Chunk>& chunks = thread_chunks;
   chunks.clear();
-  size_t first_chunk[kDecodeMaxTokens + 1] = {};
+  thread_local std::vector<size_t> first_chunk;
+  first_chunk.assign(s.tokens + 1, 0);
   for (int64_t t = 0; t < s.tokens; ++t) {
     windows.clear();
     AddWindows(starts + t * s.k, s.k, s.r, windows);
@@ -206,15 +209,123 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
   }
 }
 
+// ---- batched decode -----------------------------------------------------------------------------
+
+// Rows per work item: fixed blocks of the hidden units, from row 0, whatever the windows, so a
+// token's sums never depend on the tokens beside it.
+constexpr int64_t kItemRows = 256;
+
+// A few to a few dozen tokens: per work item, every block of kBlockRows rows is read once (as
+// floats, common/batched.h) for all the tokens whose windows reach into it: their dots, bias,
+// GELU and coverage, then their partial outputs. A token's output is b_out plus its partials in
+// item order; rows a token's windows miss add exact zeros.
+template <typename T, class Format>
+void BatchedDecode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
+                   const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  const int64_t depth = PaddedDepth(s.d), items = (s.h + kItemRows - 1) / kItemRows;
+  const std::vector<float> xs = PaddedTokens(x, s.tokens, s.d);
+  // The tokens that reach into each item, in token order, and each token's partial there.
+  std::vector<std::vector<int64_t>> tokens_of(items);
+  std::vector<char> reached(items);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    std::fill(reached.begin(), reached.end(), 0);
+    for (int64_t j = 0; j < s.k; ++j) {
+      const int64_t start = starts[t * s.k + j];
+      for (int64_t item = start / kItemRows; item <= (start + s.r - 1) / kItemRows; ++item) reached[item] = 1;
+    }
+    for (int64_t item = 0; item < items; ++item)
+      if (reached[item]) tokens_of[item].push_back(t);
+  }
+  std::vector<int64_t> first(items + 1, 0);
+  for (int64_t item = 0; item < items; ++item) first[item + 1] = first[item] + tokens_of[item].size();
+  std::vector<float> partials(first[items] * depth, 0.0f);
+
+  parallel_for(static_cast<size_t>(items), [&](size_t item) {
+    const std::vector<int64_t>& list = tokens_of[item];
+    const int64_t item_lo = static_cast<int64_t>(item) * kItemRows, item_hi = std::min(item_lo + kItemRows, s.h);
+    thread_local std::vector<float> scratch_in, scratch_out, hidden, coverage;
+    thread_local std::vector<int64_t> covering;
+    thread_local std::vector<const float*> xs_of;
+    thread_local std::vector<float*> outs_of;
+    for (int64_t lo = item_lo; lo < item_hi && !list.empty(); lo += kBlockRows) {
+      const int64_t hi = std::min(lo + kBlockRows, item_hi), rows = hi - lo;
+      // The item's tokens that cover a row of the block, and their coverage of its rows.
+      covering.clear(), xs_of.clear(), outs_of.clear();
+      coverage.resize(list.size() * rows);
+      for (size_t g = 0; g < list.size(); ++g) {
+        float* c = coverage.data() + covering.size() * rows;
+        Coverage(starts + list[g] * s.k, s.k, s.r, lo, hi, c);
+        if (std::any_of(c, c + rows, [](float v) { return v != 0.0f; })) {
+          covering.push_back(list[g]);
+          xs_of.push_back(xs.data() + list[g] * depth);
+          outs_of.push_back(partials.data() + (first[item] + static_cast<int64_t>(g)) * depth);
+        }
+      }
+      const int64_t n = static_cast<int64_t>(covering.size());
+      if (n == 0) continue;
+      int64_t ld = 0;
+      const float* block = FloatBlock(w_in, lo, hi, scratch_in, &ld);
+      hidden.resize(n * rows);
+      Dots(xs_of.data(), n, block, ld, rows, depth, hidden.data(), rows);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < rows; ++i) hidden[t * rows + i] += ToFloat(b_in[lo + i]);
+      Eigen::Map<Eigen::ArrayXf> h(hidden.data(), n * rows);
+      GeluTanh(h);
+      const Eigen::Map<const Eigen::ArrayXf> c(coverage.data(), n * rows);
+      h = (c != 0.0f).select(h * c, 0.0f);  // uncovered: exactly zero, whatever GELU gave
+      block = FloatBlock(w_out, lo, hi, scratch_out, &ld);
+      Axpys(hidden.data(), rows, n, block, ld, rows, depth, outs_of.data());
+    }
+  });
+
+  std::vector<size_t> next(items, 0);  // each item's next token, in token order
+  std::vector<float> sum(depth);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    for (int64_t c = 0; c < s.d; ++c) sum[c] = ToFloat(b_out[c]);
+    for (int64_t item = 0; item < items; ++item) {
+      if (next[item] == tokens_of[item].size() || tokens_of[item][next[item]] != t) continue;
+      const float* partial = partials.data() + (first[item] + static_cast<int64_t>(next[item]++)) * depth;
+      for (int64_t c = 0; c < s.d; ++c) sum[c] += partial[c];
+    }
+    for (int64_t c = 0; c < s.d; ++c) FromFloat(sum[c], y + t * s.d + c);
+  }
+}
+
 template <typename T, class Format>
 void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
-             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0) return;
-  if (s.tokens <= kDecodeMaxTokens) {
-    Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-  } else {
-    Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+  switch (path) {
+    case Path::kGemv: return Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kBatched: return BatchedDecode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kPrefill: return Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   }
+}
+
+// The path for this call (common/paths.h): GEMV for one token (streamed at the bytes roofline);
+// for more, batched or prefill as timed once per process and format, on every token reading the
+// first rows of the first call's matrices.
+template <typename T, class Format>
+Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
+  if (s.tokens <= 1 && !ForcedPath()) return Path::kGemv;
+  static const PathChoice choice = [&] {
+    const int64_t most = kPathGrid[kPathGridSize - 1];
+    const Sizes part{0, s.d, s.h, 1, std::min<int64_t>(s.h, 4 * kBlockRows)};
+    std::vector<T> x(most * s.d), b_in(s.h), b_out(s.d), y(most * s.d);
+    for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
+    for (T& v : b_in) FromFloat(0.0f, &v);
+    for (T& v : b_out) FromFloat(0.0f, &v);
+    const std::vector<int64_t> starts(most, 0);
+    const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
+      for (size_t i = 0; i < n; ++i) body(i);
+    };
+    return MeasurePaths([&](Path path, int64_t tokens) {
+      Sizes sizes = part;
+      sizes.tokens = tokens;
+      Compute(sizes, x.data(), starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(), inline_for, path);
+    }, 1);
+  }();
+  return choice.For(s.tokens);
 }
 
 
@@ -224,10 +335,12 @@ void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 template <typename T>
 void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
          const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  if (IntelStreams() && s.tokens > 0 && s.tokens <= kDecodeMaxTokens) {
+  const FloatRows<T> in{w_in, s.d}, out{w_out, s.d};
+  const Path path = PathFor<T>(s, in, out);
+  if (IntelStreams() && path == Path::kGemv) {
     Decode(s, x, starts, FloatRows<T, true>{w_in, s.d}, b_in, FloatRows<T, true>{w_out, s.d}, b_out, y, parallel_for);
   } else {
-    Compute(s, x, starts, FloatRows<T>{w_in, s.d}, b_in, FloatRows<T>{w_out, s.d}, b_out, y, parallel_for);
+    Compute(s, x, starts, in, b_in, out, b_out, y, parallel_for, path);
   }
 }
 
@@ -236,11 +349,11 @@ void RunQuantized(const Sizes& s, const Quantization& q, const T* x, const int64
                   const QuantizedMatrix<T>& w_in, const T* b_in, const QuantizedMatrix<T>& w_out,
                   const T* b_out, T* y, const ParallelFor& parallel_for) {
   if (q.bits == 8) {
-    Compute(s, x, starts, QuantRows<8, T>(w_in, s.d, q.block_size), b_in, QuantRows<8, T>(w_out, s.d, q.block_size),
-            b_out, y, parallel_for);
+    const QuantRows<8, T> in(w_in, s.d, q.block_size), out(w_out, s.d, q.block_size);
+    Compute(s, x, starts, in, b_in, out, b_out, y, parallel_for, PathFor<T>(s, in, out));
   } else {
-    Compute(s, x, starts, QuantRows<4, T>(w_in, s.d, q.block_size), b_in, QuantRows<4, T>(w_out, s.d, q.block_size),
-            b_out, y, parallel_for);
+    const QuantRows<4, T> in(w_in, s.d, q.block_size), out(w_out, s.d, q.block_size);
+    Compute(s, x, starts, in, b_in, out, b_out, y, parallel_for, PathFor<T>(s, in, out));
   }
 }
 

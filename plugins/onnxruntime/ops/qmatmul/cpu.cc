@@ -1,7 +1,10 @@
-// The CPU computation of infmoe::QMatMul: the expert ops' decode and prefill paths over every row of
-// a dense quantized matrix, with nothing after the dot products. Compiled once per CPU variant.
+// The CPU computation of infmoe::QMatMul: the expert ops' paths (GEMV, batched, prefill GEMM;
+// common/paths.h chooses) over every row of a dense quantized matrix, with nothing after the dot
+// products. Compiled once per CPU variant.
 #include "common/variant.h"
+#include "common/batched.h"
 #include "common/gemm.h"
+#include "common/paths.h"
 #include "common/weight_formats.h"
 #include "ops/qmatmul/qmatmul.h"
 
@@ -47,14 +50,55 @@ void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
   });
 }
 
+// A few to a few dozen tokens: per work item of kBlockRows rows, converted once into floats,
+// every token's dots (common/batched.h).
 template <typename T, class Format>
-void ComputeMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
+void BatchedMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for) {
+  const std::vector<float> xs = PaddedTokens(x, s.tokens, s.k);
+  const int64_t depth = PaddedDepth(s.k);
+  std::vector<const float*> rows_of(s.tokens);
+  for (int64_t t = 0; t < s.tokens; ++t) rows_of[t] = xs.data() + t * depth;
+  parallel_for(static_cast<size_t>((s.n + kBlockRows - 1) / kBlockRows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * kBlockRows, hi = std::min(lo + kBlockRows, s.n);
+    thread_local std::vector<float> scratch, dots;
+    int64_t ld = 0;
+    const float* block = FloatBlock(w, lo, hi, scratch, &ld);
+    dots.resize(s.tokens * kBlockRows);
+    Dots(rows_of.data(), s.tokens, block, ld, hi - lo, depth, dots.data(), kBlockRows);
+    for (int64_t t = 0; t < s.tokens; ++t)
+      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[t * kBlockRows + j - lo], y + t * s.n + j);
+  });
+}
+
+template <typename T, class Format>
+void ComputeMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for,
+                   Path path) {
   if (s.tokens == 0 || s.n == 0) return;
-  if (s.tokens <= kDecodeMaxTokens) {
-    DecodeMatMul(s, x, w, y, parallel_for);
-  } else {
-    PrefillMatMul(s, x, w, y, parallel_for);
+  switch (path) {
+    case Path::kGemv: return DecodeMatMul(s, x, w, y, parallel_for);
+    case Path::kBatched: return BatchedMatMul(s, x, w, y, parallel_for);
+    case Path::kPrefill: return PrefillMatMul(s, x, w, y, parallel_for);
   }
+}
+
+// The path for this call (common/paths.h), timed once per process and format on rows of the
+// first call's matrix.
+template <typename T, class Format>
+Path MatMulPath(const MatMulSizes& s, const Format& w) {
+  static const PathChoice choice = [&] {
+    const MatMulSizes part{0, s.k, std::min<int64_t>(s.n, 4 * kBlockRows)};
+    std::vector<T> x(kPathGrid[kPathGridSize - 1] * s.k), y(kPathGrid[kPathGridSize - 1] * part.n);
+    for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
+    const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
+      for (size_t i = 0; i < n; ++i) body(i);
+    };
+    return MeasurePaths([&](Path path, int64_t tokens) {
+      MatMulSizes sizes = part;
+      sizes.tokens = tokens;
+      ComputeMatMul(sizes, x.data(), w, y.data(), inline_for, path);
+    }, std::numeric_limits<int64_t>::max());
+  }();
+  return choice.For(s.tokens);
 }
 
 
@@ -65,9 +109,11 @@ void RunQMatMul(const MatMulSizes& s, const Quantization& q, const T* x, const Q
                 const ParallelFor& parallel_for) {
   const int64_t stride = (s.k + q.block_size - 1) / q.block_size * q.block_size * q.bits / 8;  // whole blocks
   if (q.bits == 8) {
-    ComputeMatMul(s, x, QuantRows<8, T>(w, s.k, q.block_size, stride), y, parallel_for);
+    const QuantRows<8, T> rows(w, s.k, q.block_size, stride);
+    ComputeMatMul(s, x, rows, y, parallel_for, MatMulPath<T>(s, rows));
   } else {
-    ComputeMatMul(s, x, QuantRows<4, T>(w, s.k, q.block_size, stride), y, parallel_for);
+    const QuantRows<4, T> rows(w, s.k, q.block_size, stride);
+    ComputeMatMul(s, x, rows, y, parallel_for, MatMulPath<T>(s, rows));
   }
 }
 
