@@ -1,10 +1,12 @@
-"""`infmoe-export pipeline` end to end on a small random odd-shaped checkpoint (one K, both
-noise modes) with a dense baseline, through the installed console script; and its failure paths
-in-process."""
+"""`infmoe-export pipeline` end to end on a small random odd-shaped checkpoint: the whole matrix
+(`--full`, one K, both noise modes) with a dense baseline through the installed console script,
+the quick tour, an interrupted run; and its failure paths in-process."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ def run(checkpoint):
     baseline = save_checkpoint(dense, checkpoint.parent / "dense-H")
     out = checkpoint.parent / "out"
     result = subprocess.run([str(Path(sys.executable).parent / "infmoe-export"), "pipeline", "--checkpoint",
-                             str(checkpoint), "--out", str(out), "--k", "2", "--baseline",
+                             str(checkpoint), "--out", str(out), "--full", "--k", "2", "--baseline",
                              str(baseline), *FAST], capture_output=True, text=True, timeout=900)
     return result, out
 
@@ -47,7 +49,7 @@ def test_pipeline_succeeds_and_writes_reports(run):
     lines = result.stdout.splitlines()
     headline = lines.index("infmoe-export pipeline: PASSED")
     verdict = next(i for i, line in enumerate(lines) if line.startswith("✓ ort-fallback fp32: passed"))
-    best = next(i for i, line in enumerate(lines) if line.startswith("Recommended (fastest within the parity budget"))
+    best = next(i for i, line in enumerate(lines) if line.startswith("Recommended: "))
     table = next(i for i, line in enumerate(lines) if "Trade-off" in line)
     assert headline < verdict < best < table
     assert sorted(p.name for p in out.iterdir()) == [".infmoe-export", "baselines", "models", "report.html",
@@ -95,6 +97,79 @@ def test_pipeline_says_once_when_tensorrt_is_absent(run):
         assert all(r["status"] == "skipped" for r in report["parity"]["results"] if r["backend"] == "trt")
 
 
+def test_pipeline_quick_tour_by_default(checkpoint, tmp_path, run_cli):
+    """No lists, no --full: fp32 and int4 (all-int4) at K 1, 2, 8, quantile noise, on the deployed
+    backend alone; no TensorRT, baselines or memory; the report names the export choice and the
+    quality budget given."""
+    import torch
+
+    from infmoe_export.runtimes.ort_kernel import custom_op_library
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "out"
+    status, stdout, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(out), "--max-windows", "2",
+                                  "--iters", "10", "--budget", "0.05", "--warmup", "1", "--threads", "1",
+                                  "--max-ppl-increase", "1000", "--min-top1", "0", "--quality-budget", "5")
+    torch.set_num_threads(threads)
+    assert status == 0, err
+    assert "quick tour: portable fp32, portable all-int4, K 1, 2, 8, quantile noise" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert [s["name"] for s in report["stages"]] == ["export", "validate", "parity", "latency"]
+    deployed = "ort" if custom_op_library() else "ort-fallback"
+    assert {r["backend"] for r in report["bench"]["results"]} == {deployed}
+    assert {r["backend"] for r in report["parity"]["results"]} == {"torch", deployed}
+    assert {(r["dtype"], r["k"], r["noise"]) for r in report["parity"]["results"] if r["backend"] == deployed} == {
+        (d, k, "quantile") for d in ("fp32", "int4") for k in (1, 2, 8)}
+    assert report["export"] == {"fp32": "portable fp32", "int4": "portable all-int4"}
+    assert sorted(p.name for p in (out / "models" / "int4").iterdir()) == [
+        f"model_k{k}_quantile_int4_other-int4.onnx" for k in (1, 2, 8)]
+    assert report["recommendation"]["quality_budget"] == 0.05 and report["memory"] is None
+    markdown = (out / "report.md").read_text()
+    assert "Exported as: portable fp32, portable all-int4" in markdown
+    assert "<summary>Latency, quantile noise, portable all-int4</summary>" in markdown
+
+
+def test_interrupted_pipeline_leaves_no_output(checkpoint, tmp_path):
+    """SIGINT in the middle of a run (once its staging folder exists): no --out folder, no
+    staging folder, exit status 130."""
+    out = tmp_path / "out"
+    child = subprocess.Popen([str(Path(sys.executable).parent / "infmoe-export"), "pipeline", "--checkpoint",
+                              str(checkpoint), "--out", str(out), *FAST], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.staging.*")) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    assert child.poll() is None, "the run ended before it could be interrupted"
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130 and err.strip().splitlines()[-1] in ("aborted", "interrupted"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_one_progress_display_ends_full_with_a_record_per_stage():
+    from rich.console import Console
+
+    from infmoe_export.commands.pipeline import Stages
+
+    def work(advance):
+        for item in range(3):
+            advance(f"item {item}")
+        return "ok", None
+
+    with Stages(Console(quiet=True), [("export", 3, 2.0), ("parity", 3, 1.0)]) as stages:
+        stages.run("export", work)
+        task = stages.progress.tasks[0]
+        assert (task.completed, task.total) == (6.0, 9.0)
+        stages.add("more", 1, 1.0)
+        stages.run("parity", work)
+        stages.run("more", lambda advance: ("skipped", "nothing to do"))
+        assert stages.progress.tasks[0].completed == stages.progress.tasks[0].total == 10.0
+    assert len(stages.progress.tasks) == 1
+    assert [(r["name"], r["status"]) for r in stages.records] == [("export", "ok"), ("parity", "ok"),
+                                                                  ("more", "skipped")]
+
+
 def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli, monkeypatch):
     """Polygraphy's verdict forced to "out of tolerance": the report is still written, the
     command fails naming the backends."""
@@ -104,8 +179,8 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
 
     monkeypatch.setattr(parity, "polygraphy_passes", lambda *args: False)
     threads = torch.get_num_threads()
-    status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
-                         "--k", "1", "--noise", "quantile", "--no-baselines", *FAST)
+    status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--full",
+                             "--k", "1", "--noise", "quantile", "--no-baselines", *FAST)
     torch.set_num_threads(threads)
     assert status == 1
     assert err.strip().splitlines()[-1].startswith("error: parity failed for ")
@@ -134,7 +209,7 @@ def test_pipeline_quantize_other(checkpoint, tmp_path, run_cli):
     import torch
 
     threads = torch.get_num_threads()
-    status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+    status, _, err = run_cli("pipeline", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--full",
                              "--k", "1", "--noise", "quantile", "--no-baselines", *FAST, "--dtype", "fp32,int4",
                              "--block-size", "16", "--quantize-other", "int4", "--max-ppl-increase", "1000",
                              "--min-top1", "0")

@@ -24,8 +24,8 @@ from infmoe_export.evaluate import perplexity_of_logits
 from infmoe_export.runtimes.registry import find_models
 from infmoe_export.report import timing
 from infmoe_export.report.timing import within_noise
-from infmoe_export.commands.trt import precision_list
-from infmoe_export.report.bench import check_block_size_option, run_bench
+from infmoe_export.options import export_choices, precision_list
+from infmoe_export.report.bench import run_bench
 from infmoe_export.report.memory import run_memory
 from infmoe_export.report.render import build_report, load_schema, validate_report, write_report
 from infmoe_export.report.timing import environment, latency_summary, median_ci, memory_bandwidth
@@ -162,9 +162,9 @@ def test_level2_budget_fails_a_backend_naming_the_figure(setup):
 
 def test_block_size_is_checked_only_with_blocks():
     assert precision_list("int4, fp32") == ["fp32", "int4"]
-    check_block_size_option(["fp32"], 24)  # no blocks, no check
+    export_choices(CONFIG, ["fp32"], block_size=24)  # no blocks, no check
     with pytest.raises(InfMoEError, match="--block-size: block size must be a power of two >= 16, got 24"):
-        check_block_size_option(["fp32", "int4"], 24)
+        export_choices(CONFIG, ["fp32", "int4"], block_size=24)
 
 
 def test_latency_summary_percentiles():

@@ -34,34 +34,6 @@ class Baseline(NamedTuple):
     torch_model: object
 
 
-def check_block_size_option(dtypes: Sequence[str], block_size: int) -> None:
-    """--block-size matters, and is checked, only when a precision has blocks."""
-    from ..quant import BITS, check_block_size
-
-    if set(dtypes) & set(BITS):
-        try:
-            check_block_size(block_size)
-        except InfMoEError as error:
-            raise InfMoEError(f"--block-size: {error}") from None
-
-
-def check_quantize_other(dtypes: Sequence[str], quantize_other: str) -> None:
-    """--quantize-other applies to the int8 / int4 models only."""
-    from ..quant import BITS
-
-    if quantize_other != "none" and not set(dtypes) & set(BITS):
-        raise InfMoEError(f"--quantize-other {quantize_other} applies to int8 / int4 models, and --dtype has none")
-
-
-def export_options(dtype: str, block_size: int, quantize_other: str = "none") -> dict:
-    """export_onnx's precision options: the block size and the other matrices' precision only where
-    the precision has blocks (fp32 and fp16 models stay all float: they are the reference that
-    level-2 parity compares against)."""
-    from ..quant import BITS
-
-    return {"dtype": dtype, **({"block_size": block_size, "quantize_other": quantize_other} if dtype in BITS else {})}
-
-
 def text_tokens(count: int) -> np.ndarray:
     """The first `count` bytes of the stdlib validation split as token ids."""
     from ..data import corpus_bytes

@@ -68,6 +68,17 @@ def validate_report(report: dict) -> None:
         raise InfMoEError(f"report does not match its schema at {where}: {error.message}") from None
 
 
+def export_labels(models) -> dict:
+    """What each precision's models were exported as, as the report names it: {"int4":
+    "onnxruntime all-int4"} (DecoderIO.label: the export choice's target and precision)."""
+    labels = {}
+    for model in models:
+        named = labels.setdefault(model.io.dtype, [])
+        if model.io.label not in named:
+            named.append(model.io.label)
+    return {dtype: " / ".join(named) for dtype, named in labels.items()}
+
+
 def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
     """One line per (backend, precision): passed (with the figures that matter), failed (naming
     the failing figures), or, merged over the precisions of a backend that share it, skipped
@@ -113,11 +124,11 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
                  parity: Optional[dict] = None, bench: Optional[dict] = None, memory: Optional[dict] = None,
                  baselines: Optional[List[dict]] = None, stages: Optional[list] = None,
                  notes: Optional[list] = None, quality_budget: float = DEFAULT_QUALITY_BUDGET,
-                 small_model: Optional[dict] = None) -> dict:
+                 small_model: Optional[dict] = None, export: Optional[dict] = None) -> dict:
     """The report dict of schema.json; passed is False when any parity row failed. baselines:
     baselines.prepare_baselines' facts, completed here with their timed latency; quality_budget:
     the recommendation's (tradeoff.recommendation); small_model: small_model.small_model_speed's
-    section (the benchmarks' figures, not this run's)."""
+    section (the benchmarks' figures, not this run's); export: export_labels of the models."""
     failed = failures(parity)
     tradeoff = tradeoff_rows(parity, bench) if (parity or bench) else None
     best = recommendation(tradeoff or [], quality_budget)
@@ -128,6 +139,7 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "tool_version": __version__,
         "command": command,
         "model": {"checkpoint": checkpoint, "config": config},
+        "export": export,
         "environment": environment,
         "passed": not failed,
         "failures": failed,
@@ -209,6 +221,18 @@ def skipped_lines(rows: List[dict], key) -> List[str]:
     return [f"{backend} {', '.join(dtypes)}: skipped, {reason}" for (backend, reason), dtypes in lines.items()]
 
 
+def exported(report: dict, dtype: str) -> str:
+    """A precision as the report names its models: their export choice when known."""
+    return (report["export"] or {}).get(dtype, dtype)
+
+
+def export_line(report: dict) -> Optional[str]:
+    if not report["export"]:
+        return None
+    return (f"Exported as: {', '.join(report['export'].values())} (the export choice: `run`, `bench` and `deploy` "
+            "run the same graph with the same --for and --dtype).")
+
+
 def groups(rows: List[dict]):
     """(noise, precision) groups of rows, in report order."""
     keys = sorted({(r["noise"], r["dtype"]) for r in rows}, key=lambda k: (k[0], PRECISIONS.index(k[1])))
@@ -250,7 +274,7 @@ def parity_tables(report: dict) -> List[Section]:
                 f"Budget: perplexity at most {signed_pct(s['max_perplexity_increase'])} over the float model's, "
                 f"top-1 agreeing with it on at least {pct(s['min_float_top1_agreement'])} of tokens. The reference "
                 "row is PyTorch with the dequantized weights: the loss quantization itself costs."))
-        out.append(Section(f"Parity, {noise} noise, {dtype}", tables, True,
+        out.append(Section(f"Parity, {noise} noise, {exported(report, dtype)}", tables, True,
                            skipped_lines(rows, lambda r: (r["backend"],))))
     return out
 
@@ -270,7 +294,7 @@ def latency_tables(report: dict) -> List[Section]:
                           f"{r['iters']}{'' if r['stable'] else ' †'}",
                           ("≈ " if noisy else "") + interval(r["latency_ms"]), sig(r["latency_ms"]["p90"]),
                           sig(r["tokens_per_s"])])
-        out.append(Section(f"Latency, {noise} noise, {dtype}", [Table(
+        out.append(Section(f"Latency, {noise} noise, {exported(report, dtype)}", [Table(
             "Latency", ["backend", "K", "phase", "batch", "seq", "calls", "median ms [95% CI]", "p90 ms", "tokens/s"],
             cells, [False] * len(cells),
             f"Decode: one step after a cache of {s['decode_past']} tokens; prefill: seq tokens from an empty cache. "
@@ -454,6 +478,7 @@ def markdown_table(t: Table) -> List[str]:
 def to_markdown(report: dict, plot_file: Optional[str]) -> str:
     lines = [f"# infmoe-export {report['kind']}: {headline(report)}", ""]
     lines += [f"- {verdict_text(v)}" for v in report["verdicts"]] + [""]
+    lines += [export_line(report), ""] if report["export"] else []
     best = recommendation_line(report)
     lines += [f"**{best}**", ""] if best else []
     if plot_file:
@@ -494,6 +519,8 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
     best = recommendation_line(report)
     left = [f'<h1>infmoe-export {e(report["kind"])} <span class="verdict {cls}">{e(headline(report))}</span></h1>',
             f'<ul class="verdicts">{verdict_items}</ul>']
+    if report["export"]:
+        left.append(f'<p class="note">{e(export_line(report))}</p>')
     if best:
         left.append(f'<p class="recommendation">{e(best)}</p>')
     left.append(f'<p class="note">{e(report["created"])} · <code>{e(report["command"])}</code></p>')
@@ -542,6 +569,8 @@ def print_summary(console, report: dict) -> None:
     for v in report["verdicts"]:
         style = styles.get(v["status"], "")
         console.print(f"[{style}]{escape(verdict_text(v))}[/]" if style else escape(verdict_text(v)))
+    if report["export"]:
+        console.print(escape(export_line(report)))
     best = recommendation_line(report)
     if best:
         console.print(escape(best), style="bold")

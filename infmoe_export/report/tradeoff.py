@@ -135,7 +135,7 @@ def plot_tradeoff(rows: List[dict], baselines: List[dict], recommended: Optional
                      facecolors="none", edgecolors="black", linewidths=1, label="Pareto front")
         axis.axhline(recommended["perplexity_bound"], color="black", linestyle="--", linewidth=0.8,
                      label=f"quality budget: best +{100 * recommended['quality_budget']:g}%")
-        axis.scatter([recommended["decode_ms"]["median"]], [recommended["perplexity"]], s=320, facecolors="none",
+        axis.scatter([recommended["decode_ms"]["median"]], [recommended["perplexity"]], s=260, facecolors="none",
                      edgecolors="red", linewidths=2, label="recommended")
     for i, b in enumerate(b for b in baselines if b["decode_ms"]):
         axis.scatter([b["decode_ms"]["median"]], [b["perplexity"]], marker="*", s=140, color="dimgray",
