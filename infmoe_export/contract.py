@@ -104,6 +104,21 @@ class DecoderIO:
         return (["experts"] if self.bits else []) + (["attention", "embedding"] if self.other_bits else [])
 
     @property
+    def experts_in_op(self) -> bool:
+        """Whether the expert matrices go to the expert op: always in a sparse model; in a dense
+        one (slice_width = ffn_hidden: every window is all of H) at int8 / int4 on the onnxruntime
+        target, where the quantized op reads both matrices packed (as a standard MLP, its w_out,
+        blocked along the output dimension, is dequantized every step). Otherwise a dense model's
+        experts are a standard MLP."""
+        return not self.config.is_dense or (self.target == "onnxruntime" and self.bits is not None)
+
+    @property
+    def custom_ops(self) -> bool:
+        """Whether the graph holds infmoe ops, which only the kernel library or their fallback
+        functions run: the expert op, or the onnxruntime target's own."""
+        return self.experts_in_op or self.target == "onnxruntime"
+
+    @property
     def precision(self) -> str:
         """The weights' precision in a word or two (precision_name)."""
         return precision_name(self.dtype, self.quantize_other)

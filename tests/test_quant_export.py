@@ -5,6 +5,7 @@ the level-2 quality figures."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,11 +13,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
+import infmoe_export
 from infmoe_export import quant
 from infmoe_export.contract import DecoderIO, ExportedModel
 from infmoe_export.export import export_many, export_onnx
 from infmoe_export.export.function import op_model
 from infmoe_export.quant import QuantizedWeight, q_continuous_slice_ffn
+from infmoe_export.runtimes.ort import OrtRunner
 from infmoe_export.runtimes.torch_runner import TorchRunner
 from infmoe_export.verify.quality import quality_vs_float
 from infmoe_export.verify.validate import validate_onnx
@@ -175,6 +178,58 @@ def test_dense_model_quantizes_its_experts_with_dequantize_linear(make_model, tm
     assert ops.count("DequantizeLinear") == 4 and "QContinuousSliceFFN" not in ops
     assert exported.metadata["infmoe.opset"] == "21" and not exported.has_function
     assert validate_onnx(model, exported, kernel=False).passed
+
+
+@pytest.mark.parametrize("bits, other", [(4, "int4"), (8, "none")])
+@pytest.mark.parametrize("k", [1, 3])
+def test_dense_model_on_the_onnxruntime_target_reads_both_ffn_matrices_packed(make_model, tmp_path, bits, other, k):
+    """K windows of r = H (GPT-2's MLP) at int8 / int4 on the onnxruntime target: both FFN matrices
+    go to QContinuousSliceFFN, stored packed once (no float copy, no DequantizeLinear, no FFN
+    MatMul), and the file matches the level-1 reference on fresh random inputs, with the kernel
+    and on the functions."""
+    model = make_model(d_model=16, n_head=2, slice_width=37)  # head_dim 8: the onnxruntime target
+    dtype = f"int{bits}"
+    exported = export_onnx(model, tmp_path / "m.onnx", k=k, dtype=dtype, block_size=16, quantize_other=other,
+                           target="onnxruntime")
+    graph = onnx.load(str(exported.path)).graph
+    ops = [n.op_type for n in graph.node]
+    layers = model.config.n_layer
+    assert ops.count("QContinuousSliceFFN") == layers and "DequantizeLinear" not in ops and "Gelu" not in ops
+    assert ops.count("MatMul") == (0 if other != "none" else 2 * layers + 1)  # attention and the LM head only
+    stored = {t.name for t in graph.initializer}
+    for i in range(layers):
+        assert {f"h.{i}.moe.w_in", f"h.{i}.moe.w_out"}.isdisjoint(stored)
+        assert {f"h.{i}.moe.w_in_q", f"h.{i}.moe.w_out_q", f"h.{i}.moe.w_in_scale"} <= stored
+    assert exported.io.experts_in_op and exported.has_function
+    rng = np.random.default_rng(100 + k + bits)
+    # A prefill after a cache and a batched decode step (GroupQueryAttention, the attention's
+    # fallback, takes a past only at batch 1 or sequence 1); row 0's left pad lies in the cache.
+    shapes = [(1, 4, 0), (1, 4, 3), (3, 1, 5)]
+    for kernel in (True, False):
+        with OrtRunner(exported.io, exported, kernel=kernel) as runner, TorchRunner(exported.io, model) as reference:
+            for batch, sequence, past in shapes:
+                feed = exported.io.dummy_inputs(batch, sequence, past, left_pad=int(past > 0),
+                                                seed=int(rng.integers(1 << 30)))
+                actual, expected = runner.infer(feed, check_inputs=False), reference.infer(feed)
+                for name, value in expected.items():
+                    np.testing.assert_allclose(actual[name], value, rtol=1e-4, atol=1e-4,
+                                               err_msg=f"{name}, kernel {kernel}, {batch}x{sequence} after {past}")
+
+
+def test_bundled_dense_baseline_at_int4_reads_no_float_ffn(tmp_path):
+    """The bundled dense baseline (K 8 windows of all of H) at all-int4 for onnxruntime: no FFN
+    weight is dequantized per step, and it validates."""
+    from infmoe_export.checkpoint import load_checkpoint
+
+    path = Path(infmoe_export.__file__).parent / "baselines" / "dense-256"
+    if not path.is_dir():
+        pytest.skip("the bundled dense baselines are not in this checkout")
+    model = load_checkpoint(path)
+    exported = export_onnx(model, tmp_path / "m.onnx", dtype="int4", quantize_other="int4", target="onnxruntime")
+    ops = [n.op_type for n in onnx.load(str(exported.path)).graph.node]
+    assert ops.count("QContinuousSliceFFN") == model.config.n_layer
+    assert not {"DequantizeLinear", "MatMul", "MatMulNBits"} & set(ops)
+    assert validate_onnx(model, exported).passed
 
 
 @pytest.mark.parametrize("other", ["int4", "int8"])

@@ -49,8 +49,9 @@ class _ExportMoE(nn.Module):
     even in an fp16 export: a start resolves 1 / (H - r + 1) of sigmoid's range (1/4609 at
     GPT-2 Small size), and fp16 activations upstream move it by whole windows (docs/export.md).
 
-    With bits (int8/int4, sparse models only) the expert matrices become the uint8 storage and
-    float32 scales of `infmoe::QContinuousSliceFFN` (SPEC §6); biases stay float32."""
+    With bits (int8/int4 where DecoderIO.experts_in_op) the expert matrices become the uint8
+    storage and float32 scales of `infmoe::QContinuousSliceFFN` (SPEC §6); biases stay float32.
+    A dense model takes that op too then: its K windows all cover the whole of H."""
 
     def __init__(self, moe: nn.Module, dtype: torch.dtype, bits: Optional[int] = None,
                  block_size: int = DEFAULT_BLOCK_SIZE):
@@ -68,7 +69,7 @@ class _ExportMoE(nn.Module):
         m = self.moe
         starts = m.router.window_starts(x, eps, m.ffn_hidden, m.slice_width)
         h = x.to(self.dtype)
-        if m.slice_width == m.ffn_hidden:  # every window is the whole FFN: an ordinary MLP
+        if m.slice_width == m.ffn_hidden and not self.bits:  # every window is the whole FFN: an ordinary MLP
             y = gelu_tanh(F.linear(h, m.w_in, m.b_in)) @ m.w_out + m.b_out
         else:
             attributes = dict(slice_width=m.slice_width, activation="gelu_tanh", plugin_namespace=DOMAIN,
@@ -92,8 +93,8 @@ class _ExportModule(nn.Module):
         self.io = decoder_io
         self.model = copy.deepcopy(model).eval()
         dtype = torch.float16 if decoder_io.dtype == "fp16" else torch.float32
-        # A dense model's experts are plain MatMuls: quantized by DequantizeLinear (quantized.py).
-        bits = None if model.config.is_dense else decoder_io.bits
+        # Otherwise a dense model's experts are plain MatMuls: quantized by DequantizeLinear (quantized.py).
+        bits = decoder_io.bits if decoder_io.experts_in_op else None
         for block in self.model.h:
             block.moe = _ExportMoE(block.moe, dtype, bits, decoder_io.block_size)
         if decoder_io.noise == "quantile":  # baked in as a constant

@@ -178,7 +178,7 @@ def client_limitations(exported: ExportedModel) -> list:
     if not exported.io.past:
         notes.append("no past: no genai_config.json (onnxruntime-genai feeds only the new token after the first "
                      "step, so it needs the KV cache); Optimum runs it with use_cache=False")
-    if not exported.has_function and not exported.io.config.is_dense:
+    if not exported.has_function and exported.io.custom_ops:
         notes.append("no fallback function: every client needs the onnxruntime kernel library registered "
                      "(Optimum: session_options.register_custom_ops_library; genai: the copy in this folder)")
     return notes
@@ -193,7 +193,7 @@ def write_hf_folder(folder: Union[str, os.PathLike], exported: ExportedModel, *,
     if Path(exported.path).resolve() != (folder / MODEL_FILE).resolve():
         raise InfMoEError(f"the model must be {folder / MODEL_FILE}, got {exported.path}")
     library_name = None
-    needs_kernel = not exported.has_function and not exported.io.config.is_dense
+    needs_kernel = not exported.has_function and exported.io.custom_ops
     if needs_kernel and kernel_library is not None:
         library_name = Path(kernel_library).name
         shutil.copyfile(kernel_library, folder / library_name)

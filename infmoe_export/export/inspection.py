@@ -126,7 +126,7 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
             found.problems.append("ContinuousSliceFFN without the fallback function: it runs only with the "
                                   "onnxruntime kernel, which is not installed here (docs/onnxruntime-kernel.md), "
                                   f"or add the function: {fix}")
-    if decoder_io is not None and not decoder_io.config.is_dense and op_nodes == 0:
+    if decoder_io is not None and decoder_io.experts_in_op and op_nodes == 0:
         found.problems.append("no ContinuousSliceFFN node: the op was inlined into standard ops (a tool ran it "
                               "through an onnxruntime session without the kernel: quant_pre_process, the "
                               "transformers optimizer at opt_level >= 1, ORT-format conversion). It runs, slower, "

@@ -1,9 +1,9 @@
 """The integer parts of an int8 / int4 export (SPEC §6, docs/quantization.md).
 
-Expert weights of a sparse model go to `infmoe::QContinuousSliceFFN` as uint8 storage and
-float32 scales (buffers of the traced module, see exporter._ExportMoE). Every other quantized
-matrix (attention, the tied embedding / LM head, and the experts of a dense model, which has
-no custom op) becomes a standard `DequantizeLinear` (opset 21: blocked, signed INT8 / INT4, no
+Expert weights go to `infmoe::QContinuousSliceFFN` as uint8 storage and float32 scales (buffers
+of the traced module, see exporter._ExportMoE), a dense model's too on the onnxruntime target
+(DecoderIO.experts_in_op). Every other quantized matrix (attention, the tied embedding / LM head,
+and the experts of a dense model elsewhere, a standard MLP) becomes a standard `DequantizeLinear` (opset 21: blocked, signed INT8 / INT4, no
 zero point) in front of its MatMul or Gather: the graph is traced in float32 and this pass
 swaps each such initializer for the dequantized value of the same weight, so the numbers are
 quant.py's w' and the graph is otherwise the float graph.
@@ -36,10 +36,10 @@ MS_DOMAIN = "com.microsoft"
 
 def qdq_matrices(decoder_io: DecoderIO) -> Dict[str, int]:
     """Checkpoint name -> bits of every matrix that is stored as DequantizeLinear: all quantized
-    ones but a sparse model's experts (those are the custom op's)."""
+    ones but the experts of the expert op (DecoderIO.experts_in_op)."""
     c = decoder_io.config
     return {name: bits for name, bits in quantized_tensors(c, decoder_io.bits, decoder_io.other_bits).items()
-            if c.is_dense or ".moe." not in name}
+            if not decoder_io.experts_in_op or ".moe." not in name}
 
 
 def resolve_opset(opset: Optional[int], decoder_io: DecoderIO, default: int) -> int:

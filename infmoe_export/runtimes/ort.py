@@ -70,8 +70,7 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
         options.intra_op_num_threads = intra_op_threads
     providers = list(providers) if providers else default_providers()
     registered = kernel and ort_kernel.register(options, providers)
-    # Only a dense model (slice_width == ffn_hidden) is exported without the custom op.
-    if not registered and not model.has_function and not model.io.config.is_dense:
+    if not registered and not model.has_function and model.io.custom_ops:
         raise InfMoEError(f"{model.path} was exported with --no-function and the onnxruntime kernel is not "
                           "available: install it (docs/onnxruntime-kernel.md) or re-export with the fallback function")
     try:
