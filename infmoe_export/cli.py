@@ -23,6 +23,7 @@ COMMANDS = {
     "parity": ("infmoe_export.commands.parity:parity_command", "Parity of every backend against the PyTorch reference."),
     "bench": ("infmoe_export.commands.bench:bench_command", "Latency, throughput and memory per backend and K."),
     "pipeline": ("infmoe_export.commands.pipeline:pipeline_command", "The main job: export, validate, parity, latency, reports."),
+    "deploy": ("infmoe_export.commands.deploy:deploy_command", "A folder to ship: the fastest artifact per K, the kernel, a parity certificate, latency, how to load it."),
     "inspect": ("infmoe_export.commands.inspect:inspect_command", "What an ONNX model holds, what a tool broke, and the fix (--repair)."),
     "triton-repo": ("infmoe_export.commands.triton_repo:triton_repo_command", "A Triton Inference Server model repository: per-K models and a decoding front model."),
     "serve": ("infmoe_export.commands.serve:serve_command", "Serve a model repository on Triton (HTTP, gRPC, metrics), K per request."),

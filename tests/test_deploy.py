@@ -1,0 +1,153 @@
+"""`infmoe-export deploy` on the bundled model with fast settings: the folder it publishes (models
+per K that clients load, the kernel library, the certificate, latency, README), the search for the
+fastest precision within the quality budget, and its failure paths: a bad checkpoint, a budget
+no precision meets, an interruption — none of which leaves an output folder."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infmoe_export.checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE
+from infmoe_export.contract import ExportedModel
+from infmoe_export.files import sha256
+from infmoe_export.runtimes.ort_kernel import custom_op_library
+
+CLI = str(Path(sys.executable).parent / "infmoe-export")
+FAST = ["--max-windows", "1", "--budget", "0.1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deploy") / "out"
+    result = subprocess.run([CLI, "deploy", "--out", str(out), "--k", "2", "--dtype", "int8", *FAST],
+                            capture_output=True, text=True, timeout=600)
+    return result, out
+
+
+def test_deploy_publishes_the_folder(deployed):
+    result, out = deployed
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith(f"deployed onnxruntime all-int8 into {out}/ (certificate passed")
+    library = custom_op_library()
+    assert sorted(p.name for p in out.iterdir()) == [".infmoe-export", "README.md", "certificate.json", "k2",
+                                                     "latency.json"]
+    files = {p.name for p in (out / "k2").iterdir()}
+    assert {"model.onnx", "config.json", "tokenizer.json", "genai_config.json"} <= files
+    genai = json.loads((out / "k2" / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    if library:
+        assert (out / "k2" / Path(library).name).read_bytes() == Path(library).read_bytes()
+        assert genai["custom_ops_library"] == Path(library).name
+    else:
+        assert "custom_ops_library" not in genai and not any(name.endswith(".so") for name in files)
+    model = ExportedModel.read(out / "k2" / "model.onnx")
+    assert (model.k, model.io.label) == (2, "onnxruntime all-int8")
+    assert not list(out.parent.glob(".out.staging.*"))
+
+
+def test_deploy_certificate_and_latency(deployed):
+    _, out = deployed
+    certificate = json.loads((out / "certificate.json").read_text())
+    assert certificate["passed"] and certificate["refused"] == [] and certificate["export"] == "onnxruntime all-int8"
+    assert certificate["backend"] == ("ort" if custom_op_library() else "ort-fallback")
+    assert certificate["checkpoint_sha256"] == sha256(DEFAULT_CHECKPOINT / CONFIG_FILE, DEFAULT_CHECKPOINT / WEIGHTS_FILE)
+    row, = certificate["models"]
+    assert row["file"] == "k2/model.onnx" and row["sha256"] == sha256(out / "k2" / "model.onnx")
+    assert (row["status"], row["level1"], row["level2"]) == ("pass", "pass", "pass")
+    assert row["start_agreement"] >= 0.99 and row["max_abs_logit_error_clean"] < 1e-3 and row["perplexity"] > 1
+    assert certificate["settings"]["windows"] == 1
+    latency = json.loads((out / "latency.json").read_text())
+    assert {(r["k"], r["phase"], r["batch"]) for r in latency["results"]} == {(2, "decode", 1), (2, "prefill", 1)}
+    assert all(r["latency_ms"]["median"] > 0 and r["tokens_per_s"] > 0 for r in latency["results"])
+    readme = (out / "README.md").read_text()
+    assert readme.startswith("# ∞-MoE deployment: onnxruntime all-int8, K = 2")
+    for part in ("## Parity certificate: passed", "## Latency on the machine that deployed it",
+                 "ORTModelForCausalLM.from_pretrained(\"k2\"", "og.Model(\"k2\")", "infmoe-export triton-repo",
+                 "infmoe-export run --model k2/model.onnx"):
+        assert part in readme
+
+
+def test_deployed_model_runs(deployed, run_cli):
+    _, out = deployed
+    status, text, err = run_cli("run", "--model", out / "k2" / "model.onnx", "--prompt", "def main(",
+                                "--max-new-tokens", "8")
+    assert status == 0, err
+    assert text.startswith("def main(") and len(text) > len("def main(")
+
+
+def test_deploy_takes_the_fastest_precision_within_budget(tmp_path, run_cli, monkeypatch):
+    """int4 out of the quality budget (forced): the next precision, int8, is deployed, and the
+    certificate says why int4 was refused."""
+    from infmoe_export.verify import parity
+
+    budget = parity.budget_problems
+    monkeypatch.setattr(parity, "budget_problems", lambda row, *limits: (
+        ["level 2: forced"] if row["dtype"] == "int4" else budget(row, *limits)))
+    status, text, err = run_cli("deploy", "--out", tmp_path / "out", "--k", "1", *FAST)
+    assert status == 0, err
+    assert "onnxruntime all-int4: out of the quality budget" in err and "trying the next precision" in err
+    certificate = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    assert certificate["export"] == "onnxruntime all-int8"
+    refused, = certificate["refused"]
+    assert refused["export"] == "onnxruntime all-int4" and "level 2: forced" in refused["why"][0]
+    assert ExportedModel.read(tmp_path / "out" / "k1" / "model.onnx").io.label == "onnxruntime all-int8"
+    assert "Refused first: onnxruntime all-int4" in (tmp_path / "out" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("patch, args, message", [
+    ("budget_problems", ["--dtype", "int4"], "onnxruntime all-int4 is out of the quality budget: "),
+    ("polygraphy_passes", ["--dtype", "fp32"], "the ort"),
+])
+def test_deploy_failing_certificate_writes_nothing(tmp_path, run_cli, monkeypatch, patch, args, message):
+    """A precision given with --dtype that fails the budget, or a backend that disagrees with
+    PyTorch: a one-line error, and no folder."""
+    from infmoe_export.verify import parity
+
+    monkeypatch.setattr(parity, patch, (lambda *a: ["level 2: forced"]) if patch == "budget_problems"
+                        else (lambda *a: False))
+    status, _, err = run_cli("deploy", "--out", tmp_path / "out", "--k", "1", *FAST, *args)
+    assert status == 1 and len(err.strip().splitlines()) >= 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_deploy_bad_checkpoint_is_one_line(tmp_path, run_cli):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copyfile(DEFAULT_CHECKPOINT / CONFIG_FILE, broken / CONFIG_FILE)
+    (broken / WEIGHTS_FILE).write_bytes(b"not safetensors")
+    for checkpoint, message in ((tmp_path / "missing", "is not a checkpoint"), (broken, str(broken))):
+        status, _, err = run_cli("deploy", "--checkpoint", checkpoint, "--out", tmp_path / "out")
+        assert status == 1 and len(err.strip().splitlines()) == 1 and message in err, err
+        assert err.startswith("error: ") and not (tmp_path / "out").exists()
+
+
+def test_deploy_refuses_a_folder_it_did_not_write(tmp_path, run_cli):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    status, _, err = run_cli("deploy", "--out", mine, "--k", "1")
+    assert status == 1 and "holds files infmoe-export did not write" in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_interrupted_deploy_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    child = subprocess.Popen([CLI, "deploy", "--out", str(out), "--k", "1,2", *FAST], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.staging.*")) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    assert child.poll() is None, "deploy ended before it could be interrupted"
+    time.sleep(1)  # into the export
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
