@@ -36,7 +36,6 @@ table comes from it (python -m benchmarks.table).
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tempfile
