@@ -68,7 +68,8 @@ def test_deploy_certificate_and_latency(deployed):
     readme = (out / "README.md").read_text()
     assert readme.startswith("# ∞-MoE deployment: onnxruntime all-int8, K = 2")
     for part in ("## Parity certificate: passed", "## Latency on the machine that deployed it",
-                 "ORTModelForCausalLM.from_pretrained(\"k2\"", "og.Model(\"k2\")", "infmoe-export triton-repo",
+                 "ORTModelForCausalLM.from_pretrained(\"k2\"", "og.Model(\"k2\")",
+                 f"infmoe-export triton-repo --checkpoint {DEFAULT_CHECKPOINT} --k 2 --for onnxruntime --dtype int8 --out repo",
                  "infmoe-export run --model k2/model.onnx"):
         assert part in readme
 

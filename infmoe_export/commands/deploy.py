@@ -30,8 +30,9 @@ from ..errors import InfMoEError
 from ..export import export_onnx
 from ..export.hf_folder import GENAI_CONFIG_FILE, MODEL_FILE, genai_config, write_hf_folder
 from ..files import sha256, write_json
-from ..options import THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options, \
-    positive_ints
+from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
+                       positive_ints)
+from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.bench import DEFAULT_PAST, run_bench
 from ..report.render import interval, pct, ppl, sci, sig, signed_pct
 from ..report.timing import REL_CI, environment
@@ -159,7 +160,8 @@ def build(console, work: Path, torch_model, ks, candidates, backend, library, li
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     certificate = {
         "passed": True, "created": created, "tool_version": __version__,
-        "command": "infmoe-export " + " ".join(sys.argv[1:]), "export": choice.label, "backend": backend,
+        "command": "infmoe-export " + " ".join(sys.argv[1:]), "export": choice.label,
+        "export_options": choice.options(), "backend": backend,
         "kernel_library": Path(library).name if library else None, "refused": refused,
         "settings": parity["settings"],
         "models": [{"k": model.k, "file": f"k{model.k}/{MODEL_FILE}", "sha256": sha256(model.path),
@@ -174,6 +176,17 @@ def build(console, work: Path, torch_model, ks, candidates, backend, library, li
                "results": [{key: r[key] for key in ("k", "phase", "batch", "seq", "past", "iters", "latency_ms",
                                                     "tokens_per_s")} for r in bench["results"] if r["status"] == "ok"]}
     return certificate, latency
+
+
+def export_flags(options: dict) -> str:
+    """The flags that export the same artifact again (the defaults left out)."""
+    quantized = options["dtype"] in ("int8", "int4")
+    flags = [f"--for {options['target']}", f"--dtype {options['dtype']}"]
+    if options["quantize_other"] != (options["dtype"] if quantized else "none"):
+        flags.append(f"--quantize-other {options['quantize_other']}")
+    if quantized and options["block_size"] != DEFAULT_BLOCK_SIZE:
+        flags.append(f"--block-size {options['block_size']}")
+    return " ".join(flags)
 
 
 def readme(certificate: dict, latency: dict, kernel: bool) -> str:
@@ -217,8 +230,8 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
         "", f"Batch 1; decode after {latency['settings']['decode_past']} tokens of cache. Rerun "
         f"`infmoe-export bench --model k{k}/{MODEL_FILE}` on the target machine.", "",
         "## Load it", "",
-        f"Every folder is one model; the examples use `k{k}/`. The models also output the routing diagnostics "
-        "`expert_starts.{i}`, which clients ignore.", "",
+        f"Every folder is one model; the examples use `k{k}/`, from this folder. The models also output the "
+        "routing diagnostics `expert_starts.{i}`, which clients ignore.", "",
         "**infmoe-export**:", "", "```bash", f'infmoe-export run --model k{k}/{MODEL_FILE} --prompt "def main("', "```", "",
         "**onnxruntime** (Python):", "", "```python", "import onnxruntime as ort", "so = ort.SessionOptions()", register,
         f'session = ort.InferenceSession("k{k}/{MODEL_FILE}", so)',
@@ -239,7 +252,7 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
         'print(bytes(list(generator.get_sequence(0))).decode(errors="replace"))', "```", "",
         "**Triton Inference Server**: a model repository (one model per K and a decoding front model), served:", "",
         "```bash", f"infmoe-export triton-repo --checkpoint {certificate['checkpoint']} --k {','.join(map(str, ks))} "
-        f"--out repo", "infmoe-export serve --repo repo", "```", ""]
+        f"{export_flags(certificate['export_options'])} --out repo", "infmoe-export serve --repo repo", "```", ""]
     return "\n".join(lines)
 
 
