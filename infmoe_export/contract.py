@@ -47,6 +47,10 @@ QUANTIZE_OTHER = ("none", "int8", "int4")
 # TensorRT fuses attention itself), or onnxruntime's fused contrib ops with a KV cache that past
 # and present may share in place. Files from before targets are portable.
 TARGETS, DEFAULT_TARGET = ("portable", "onnxruntime", "tensorrt"), "portable"
+# What an artifact is for (`--for`, options.export_choices): the runtime, whose fastest graph is
+# written (tensorrt: the standard-op graph `infmoe-export trt` builds engines from; portable:
+# standard ops and the expert op, for any runtime or tool).
+DEPLOYMENTS, DEFAULT_DEPLOYMENT = ("onnxruntime", "tensorrt", "portable"), "onnxruntime"
 # The onnxruntime target's GroupQueryAttention reads these two; the graph computes them from
 # attention_mask (as onnxruntime-genai's builder does), so clients feed Optimum's inputs only.
 SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "total_sequence_length"
@@ -253,6 +257,31 @@ class DecoderIO:
                        target=props.get("infmoe.target", DEFAULT_TARGET))
         except (KeyError, ValueError) as error:
             raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
+
+
+@dataclass(frozen=True)
+class ExportChoice:
+    """One artifact's export settings: the graph's target and every matrix's precision.
+    options() are export_onnx's (and export_many's) keywords; label names it ('onnxruntime
+    all-int4', as DecoderIO.label names the exported file); note, when set, says why the target
+    differs from the default one."""
+    target: str = DEFAULT_DEPLOYMENT
+    dtype: str = "fp32"
+    quantize_other: str = "none"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    note: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def precision(self) -> str:
+        return precision_name(self.dtype, self.quantize_other)
+
+    @property
+    def label(self) -> str:
+        return f"{self.target} {self.precision}"
+
+    def options(self) -> dict:
+        return {"target": self.target, "dtype": self.dtype, "quantize_other": self.quantize_other,
+                "block_size": self.block_size}
 
 
 # An exported folder (`infmoe-export onnx --out DIR`) keeps the metadata in config.json too,

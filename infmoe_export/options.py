@@ -1,13 +1,13 @@
-"""Parsing and settings shared by the commands."""
+"""Parsing and settings shared by the commands, and what a command exports (export_choices):
+the flags resolved and checked against the runtimes here, before any work."""
 
 import math
 import os
-from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import click
 
-from .contract import QUANTIZE_OTHER, precision_name
+from .contract import DEFAULT_DEPLOYMENT, DEPLOYMENTS, QUANTIZE_OTHER, TARGETS, ExportChoice
 from .errors import InfMoEError
 from .limits import check_fits, forward_bytes
 from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, check_block_size
@@ -74,37 +74,6 @@ def precision_list(text: str) -> List[str]:
 # What a command exports: one flag per intent. `--for` names the runtime, `--dtype` the weights;
 # together they give the fastest artifact for that runtime. The finer flags (`--quantize-other`,
 # `--target`) stay for experts-only or mixed precision and for graphs written for elsewhere.
-
-# tensorrt: the standard-op graph `infmoe-export trt` builds engines from; portable: standard ops
-# and the expert op, for any runtime or tool (docs/export.md, Targets).
-DEPLOYMENTS = ("onnxruntime", "tensorrt", "portable")
-DEFAULT_DEPLOYMENT = "onnxruntime"
-
-
-@dataclass(frozen=True)
-class ExportChoice:
-    """One artifact's export settings: the graph's target and every matrix's precision.
-    options() are export_onnx's (and export_many's) keywords; label names it ('onnxruntime
-    all-int4', as DecoderIO.label names the exported file); note, when set, says why the target
-    differs from the default one."""
-    target: str = DEFAULT_DEPLOYMENT
-    dtype: str = "fp32"
-    quantize_other: str = "none"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    note: Optional[str] = field(default=None, compare=False)
-
-    @property
-    def precision(self) -> str:
-        return precision_name(self.dtype, self.quantize_other)
-
-    @property
-    def label(self) -> str:
-        return f"{self.target} {self.precision}"
-
-    def options(self) -> dict:
-        return {"target": self.target, "dtype": self.dtype, "quantize_other": self.quantize_other,
-                "block_size": self.block_size}
-
 
 def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Optional[str] = None,
                    quantize_other: Optional[str] = None, target: Optional[str] = None,
@@ -199,8 +168,6 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
     and --target where asked.
     Every default is None (a flag not given): export_choices applies the defaults. The choices'
     table is in the help of the command with --target (onnx)."""
-    from .contract import TARGETS
-
     def decorate(command):
         runtimes = " or ".join([", ".join(DEPLOYMENT_HELP[d] for d in deployments[:-1]), DEPLOYMENT_HELP[deployments[-1]]])
         tensorrt = "; --for tensorrt: the experts" if "tensorrt" in deployments else ""

@@ -11,14 +11,15 @@ import infmoe_export
 
 PACKAGE = Path(infmoe_export.__file__).parent
 # Bottom to top; a part may import its own layer and those below (docs/design.md, "Layout").
+# options: the commands' parsing and export choice, checked against the runtimes (the commands' layer).
 LAYERS = [
-    {"errors", "files", "limits", "options", "model", "quant"},
+    {"errors", "files", "limits", "model", "quant"},
     {"contract", "checkpoint", "data"},
     {"evaluate", "train", "export", "runtimes"},
     {"verify"},
     {"report"},
     {"serving"},
-    {"commands", "cli"},
+    {"commands", "cli", "options"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 

@@ -14,9 +14,9 @@ import click
 
 from .. import __version__
 from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config
-from ..contract import DecoderIO, ExportedModel
+from ..contract import DecoderIO, ExportChoice, ExportedModel
 from ..errors import InfMoEError
-from ..options import SEED, ExportChoice, choices_from_flags, export_choice_options, export_choices
+from ..options import SEED, choices_from_flags, export_choice_options, export_choices
 from ..export import DEFAULT_OPSET, export_onnx
 from ..files import sha256
 from ..runtimes.generate import check_request, generate

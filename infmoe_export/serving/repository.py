@@ -2,7 +2,7 @@
 
     OUT/infmoe/config.pbtxt, 1/model.py           the decoding front model (Python backend)
     OUT/infmoe_k{K}_{precision}/config.pbtxt       one onnxruntime-backend model per (K, precision): the
-        1/model.onnx, libinfmoe_ort.so              export choice of that precision (options.ExportChoice,
+        1/model.onnx, libinfmoe_ort.so              export choice of that precision (contract.ExportChoice,
                                                     as `run` exports it), the kernel library beside it
     OUT/infmoe_k{K}_{precision}_trt/1/model.plan   one TensorRT-backend model per engine (--engines)
 
@@ -15,11 +15,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..contract import DecoderIO
+from ..contract import DecoderIO, ExportChoice
 from ..errors import InfMoEError
 from ..export import export_onnx
 from ..files import atomic_write, check_replaceable_dir, staged_dir
-from ..options import ExportChoice, export_choices
 from ..runtimes.ort_kernel import custom_op_library
 from ..verify.validate import validate_onnx
 from . import config as cfg
@@ -34,18 +33,17 @@ def _write_config(folder: Path, text: str) -> Path:
     return atomic_write(folder / "config.pbtxt", text)
 
 
-def build_repository(model, out, ks: Sequence[int], choices: Optional[Sequence[ExportChoice]] = None, *,
+def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoice], *,
                      engines: Optional[Path] = None, mount_path: Optional[str] = None, executor: str = "local",
                      kernel: bool = True, inputs: Sequence[Path] = (),
                      progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[str]]:
-    """Write the repository: per K, one model per export choice (default: export_choices', what
-    `run` runs), each served as the precision its --dtype names (the request parameter
-    `precision`; the first choice's when a request gives none). {"models": [...], "warnings": [...]}."""
+    """Write the repository: per K, one model per export choice (options.export_choices: what `run`
+    runs), each served as the precision its --dtype names (the request parameter `precision`; the
+    first choice's when a request gives none). {"models": [...], "warnings": [...]}."""
     cfg.require_schema()
     out = check_replaceable_dir(Path(out), inputs=inputs)
     if not ks or any(k < 1 for k in ks):
         raise InfMoEError("--k needs positive expert budgets")
-    choices = list(choices or export_choices(model.config))
     precisions = [choice.dtype for choice in choices]
     if len(set(precisions)) < len(precisions):
         raise InfMoEError(f"one export choice per precision, got {', '.join(c.label for c in choices)}")
