@@ -109,6 +109,25 @@ def q_matmul(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: i
     return a @ dequantize(q, scale, block_size, a.dtype).T
 
 
+ACTIVATION_GROUP = 32  # activation columns per int8 scale (the kernel's infmoe.activations = int8)
+
+
+def int8_activations(a: torch.Tensor) -> torch.Tensor:
+    """a [..., K] as the kernel's int8 activations see it: per row and group of 32 columns,
+    qx = clamp(round_half_even(a / s), -127, 127) with s = max |a| / 127 (0 for a zero group),
+    returned dequantized (qx * s, float32); a group holding a NaN or infinity becomes NaN."""
+    a = a.to(torch.float32)
+    k = a.shape[-1]
+    groups = -(-k // ACTIVATION_GROUP)
+    padded = torch.nn.functional.pad(a, (0, groups * ACTIVATION_GROUP - k)).reshape(*a.shape[:-1], groups, ACTIVATION_GROUP)
+    finite = torch.isfinite(padded).all(dim=-1, keepdim=True)
+    scale = torch.where(finite, padded.abs().amax(dim=-1, keepdim=True), torch.zeros(())) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(finite, torch.round(padded / safe).clamp(-127, 127), torch.zeros(()))
+    out = torch.where(finite, q * scale, torch.full_like(q, float("nan")))
+    return out.reshape(*a.shape[:-1], groups * ACTIVATION_GROUP)[..., :k]
+
+
 class QuantizedWeight(NamedTuple):
     packed: torch.Tensor  # uint8 storage
     scale: torch.Tensor   # [H, ceil(D / B)]

@@ -38,12 +38,13 @@ def default_providers() -> list:
 MATMULNBITS_ACCURACY = "session.qdq_matmulnbits_accuracy_level"
 
 
-def _float_matmulnbits(options: ort.SessionOptions):
-    """Float32 activations in fused MatMulNBits, unless the caller's options chose a level."""
+def _matmulnbits_accuracy(options: ort.SessionOptions, activations: str):
+    """Fused MatMulNBits (and QMatMul's fallback) with the kernel's kind of activations: float32
+    (level 1) or int8 (level 4), unless the caller's options chose a level."""
     try:
         options.get_session_config_entry(MATMULNBITS_ACCURACY)
     except RuntimeError:  # not set
-        options.add_session_config_entry(MATMULNBITS_ACCURACY, "1")
+        options.add_session_config_entry(MATMULNBITS_ACCURACY, "4" if activations == "int8" else "1")
 
 
 # After a run, onnxruntime's pool threads spin a while (tens of ms here) before they sleep: right
@@ -55,21 +56,24 @@ FORCE_SPINNING_STOP = "session.force_spinning_stop"
 
 def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool = True,
                    providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
-                   options: Optional[ort.SessionOptions] = None, stop_spinning: bool = False) -> ort.InferenceSession:
+                   options: Optional[ort.SessionOptions] = None, stop_spinning: bool = False,
+                   activations: str = "float") -> ort.InferenceSession:
     """An InferenceSession for an exported model: the kernel when asked for and installed, the
-    fallback function otherwise; providers default to the best installed ones. stop_spinning:
+    fallback function otherwise; providers default to the best installed ones. activations:
+    the quantized ops' ("float", SPEC §6 level 1, or "int8": integer dot products, judged at
+    level 2; docs/guide/quantization.md). stop_spinning:
     the pool's threads sleep as soon as a run returns (FORCE_SPINNING_STOP), for sessions that
     take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
         model = ExportedModel.read(model)
     options = options or ort.SessionOptions()
-    _float_matmulnbits(options)
+    _matmulnbits_accuracy(options, activations)
     if stop_spinning:
         options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
     providers = list(providers) if providers else default_providers()
-    registered = kernel and ort_kernel.register(options, providers)
+    registered = kernel and ort_kernel.register(options, providers, activations)
     if not registered and not model.has_function and model.io.custom_ops:
         raise InfMoEError(f"{model.path} was exported with --no-function and the onnxruntime kernel is not "
                           "available: install it (docs/onnxruntime-kernel.md) or re-export with the fallback function")

@@ -15,6 +15,8 @@ import pathlib
 import warnings
 from typing import Optional
 
+from ..errors import InfMoEError
+
 ENV_VAR = "INFMOE_ORT_LIBRARY"  # overrides the installed library (e.g. the ASan build)
 LIBRARY_NAME = "libinfmoe_ort.so"
 LIBRARY_PATH = "infmoe_export/lib/" + LIBRARY_NAME  # its place in the wheel and site-packages
@@ -67,13 +69,21 @@ def _fall_back(reason: str):
 # provider claims the node; left out, its function runs on the GPU (GroupQueryAttention,
 # MatMulNBits, standard ops).
 CPU_ONLY_OPS = "infmoe.cpu_only_ops"
+# Session config entry read when the library is registered: "int8" gives the quantized ops int8
+# activations (integer dot products; docs/guide/quantization.md), "float" (default) SPEC §6's.
+ACTIVATIONS = "infmoe.activations"
+ACTIVATION_KINDS = ("float", "int8")
 
 
-def register(session_options, providers=()) -> bool:
+def register(session_options, providers=(), activations: str = "float") -> bool:
     """Register the kernel on an onnxruntime.SessionOptions, for a session with these providers
-    (names or (name, options) pairs; with CUDA's, the CPU-only ops are left to their functions).
-    False when the library is absent or does not load (said once per process): the model then
-    runs on its fallback function."""
+    (names or (name, options) pairs; with CUDA's, the CPU-only ops are left to their functions)
+    and these activations of the quantized ops ("float" or "int8": set before registering, which
+    reads it). False when the library is absent or does not load (said once per process): the
+    model then runs on its fallback function."""
+    if activations not in ACTIVATION_KINDS:
+        raise InfMoEError(f"activations must be one of {', '.join(ACTIVATION_KINDS)}, got {activations!r}")
+    session_options.add_session_config_entry(ACTIVATIONS, activations)
     if any((p if isinstance(p, str) else p[0]) == "CUDAExecutionProvider" for p in providers):
         session_options.add_session_config_entry(CPU_ONLY_OPS, "0")
     library = custom_op_library()

@@ -9,6 +9,9 @@ namespace {
 constexpr const char* kDomain = "infmoe";
 // Session config entry: "0" registers only the ops that have a CUDA kernel (RegisterCustomOps).
 constexpr const char* kCpuOnlyOpsKey = "infmoe.cpu_only_ops";
+// Session config entry: "int8" gives the quantized ops int8 activations (common/int8_dots.h);
+// "float" (the default) keeps SPEC §6's float activations.
+constexpr const char* kActivationsKey = "infmoe.activations";
 
 std::mutex domains_mutex;
 std::vector<Ort::CustomOpDomain> domains;  // must outlive every session that uses them
@@ -28,13 +31,18 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     Ort::UnownedSessionOptions session_options(options);
     Ort::CustomOpDomain domain(kDomain);
     using namespace infmoe::ort;
+    const std::string activations = session_options.GetConfigEntryOrDefault(kActivationsKey, "float");
+    if (activations != "float" && activations != "int8") {
+      Fail(std::string(kActivationsKey) + " must be float or int8, got '" + activations + "'");
+    }
+    const bool int8_activations = activations == "int8";
     for (OrtCustomOp* op : ContinuousSliceFFNOps()) domain.Add(op);
     // The ops with a CPU kernel only are left out where the session asks so (runtimes/ort.py does
     // for a session with the CUDA provider): registered, they would pull their nodes onto the
     // CPU, since onnxruntime inlines a node's fallback function only when no provider claims
     // the node; left out, the function runs on the GPU (GroupQueryAttention, MatMulNBits).
     if (session_options.GetConfigEntryOrDefault(kCpuOnlyOpsKey, "1") != "0") {
-      for (const auto& ops : {QContinuousSliceFFNOps(), QMatMulOps(), DecoderAttentionOps(), WindowStartsOps(), StepInputsOps()}) {
+      for (const auto& ops : {QContinuousSliceFFNOps(), QMatMulOps(int8_activations), DecoderAttentionOps(), WindowStartsOps(), StepInputsOps()}) {
         for (OrtCustomOp* op : ops) domain.Add(op);
       }
     }

@@ -17,8 +17,12 @@ using ParallelFor = std::function<void(size_t n, const std::function<void(size_t
 // The quantized weights of QContinuousSliceFFN and QMatMul (SPEC §6): `bits`-bit integers (uint8
 // storage, offset 2^(bits-1); int4: two per byte, even column in the low nibble) with one scale
 // of type T per block of block_size columns of a row.
+// int8_activations: the integer dots of common/int8_dots.h (session option infmoe.activations =
+// int8), where the weights allow them (block_size a multiple of 32); else float activations
+// (SPEC §6 level 1).
 struct Quantization {
   int64_t bits, block_size;
+  bool int8_activations = false;
 };
 template <typename T>
 struct QuantizedMatrix {

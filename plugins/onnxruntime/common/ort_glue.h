@@ -195,12 +195,12 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
   const char* provider_;
 };
 
-// The custom ops one op's file adds to the infmoe domain (register.cc): every kernel, or those
-// with a CUDA kernel only.
+// The custom ops one op's file adds to the infmoe domain (register.cc); int8_activations: the
+// session's option infmoe.activations is int8.
 std::vector<OrtCustomOp*> ContinuousSliceFFNOps();
 std::vector<OrtCustomOp*> ContinuousSliceFFNCudaOps();
 std::vector<OrtCustomOp*> QContinuousSliceFFNOps();
-std::vector<OrtCustomOp*> QMatMulOps();
+std::vector<OrtCustomOp*> QMatMulOps(bool int8_activations);
 std::vector<OrtCustomOp*> DecoderAttentionOps();
 std::vector<OrtCustomOp*> WindowStartsOps();
 std::vector<OrtCustomOp*> StepInputsOps();

@@ -1,9 +1,11 @@
 // Which path a call of a few or many tokens takes: per-token GEMV (decode), the batched kernels
-// (common/batched.h) or the prefill GEMM (common/gemm.h). Every path reads each weight row a call
+// (common/batched.h), the prefill GEMM (common/gemm.h), or with int8 activations the integer dots
+// (common/int8_dots.h; the float paths then multiply the dequantized int8 activations). Every path reads each weight row a call
 // needs once, so they differ in arithmetic only; the choice comes from timing each path's
 // arithmetic on this machine (rows of the call's own matrix, in cache) once per process and
-// weight format, not from a fixed token count. INFMOE_PATH=gemv|batched|prefill forces one
-// (tests, benchmarks). The paths' results differ by float rounding only.
+// weight format, not from a fixed token count. INFMOE_PATH=gemv|batched|prefill|integer forces one
+// (tests, benchmarks; where the call cannot take it, the next in the order below). The paths'
+// results differ by float rounding only.
 #pragma once
 
 #include <chrono>
@@ -14,7 +16,9 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-enum class Path { kGemv, kBatched, kPrefill };
+// In the order in which their costs grow more slowly with the tokens.
+enum class Path { kInteger, kGemv, kBatched, kPrefill };
+constexpr const char* kPathNames[] = {"integer", "gemv", "batched", "prefill"};
 
 // The token counts timed; a call takes the path chosen at the largest one not above its count.
 constexpr int64_t kPathGrid[] = {1, 2, 4, 8, 16, 32, 64, 128};
@@ -37,26 +41,27 @@ inline const char* ForcedPath() {
   return forced;
 }
 
-// run(path, tokens) runs one call of `tokens` tokens on the given path, on the calling thread.
-// Per grid point the fastest path (the best of three timings each); then made monotone, the
-// order in which the paths' costs grow with the tokens (GEMV the fastest-growing, prefill the
-// slowest): once a later path wins, no earlier one is taken for more tokens, so timing noise
-// can never put a cliff into the curve.
-template <class Run>
-PathChoice MeasurePaths(Run&& run, int64_t max_gemv_tokens) {
+// run(path, tokens) runs one call of `tokens` tokens on the given path, on the calling thread;
+// allowed(path, tokens) says whether a call can take it. Per grid point the fastest path (the
+// best of three timings each); then made monotone in the order of Path: once a later path wins,
+// no earlier one is taken for more tokens, so timing noise can never put a cliff into the curve.
+template <class Run, class Allowed>
+PathChoice MeasurePaths(Run&& run, Allowed&& allowed) {
   PathChoice choice;
   const char* forced = ForcedPath();
+  const Path paths[] = {Path::kInteger, Path::kGemv, Path::kBatched, Path::kPrefill};
   for (int i = 0; i < kPathGridSize; ++i) {
     const int64_t tokens = kPathGrid[i];
     if (forced) {
-      const bool batched = std::strcmp(forced, "batched") == 0, prefill = std::strcmp(forced, "prefill") == 0;
-      choice.at[i] = batched ? Path::kBatched : prefill ? Path::kPrefill : Path::kGemv;
-      if (choice.at[i] == Path::kGemv && tokens > max_gemv_tokens) choice.at[i] = Path::kBatched;
+      int p = 0;
+      while (p < 3 && std::strcmp(forced, kPathNames[p]) != 0) ++p;
+      while (p < 3 && !allowed(paths[p], tokens)) ++p;
+      choice.at[i] = paths[p];
       continue;
     }
     double best = 0;
-    for (Path path : {Path::kGemv, Path::kBatched, Path::kPrefill}) {
-      if (path == Path::kGemv && tokens > max_gemv_tokens) continue;
+    for (Path path : paths) {
+      if (!allowed(path, tokens)) continue;
       double fastest = 1e30;
       for (int repeat = 0; repeat < 3; ++repeat) {
         const auto start = std::chrono::steady_clock::now();

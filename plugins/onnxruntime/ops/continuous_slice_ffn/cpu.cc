@@ -296,6 +296,7 @@ void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
              const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0) return;
   switch (path) {
+    case Path::kInteger:  // not taken (PathFor)
     case Path::kGemv: return Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kBatched: return BatchedDecode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kPrefill: return Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
@@ -323,7 +324,7 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
       Sizes sizes = part;
       sizes.tokens = tokens;
       Compute(sizes, x.data(), starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(), inline_for, path);
-    }, 1);
+    }, [](Path path, int64_t tokens) { return path != Path::kInteger && (path != Path::kGemv || tokens == 1); });
   }();
   return choice.For(s.tokens);
 }

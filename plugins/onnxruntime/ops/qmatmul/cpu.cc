@@ -4,6 +4,7 @@
 #include "common/variant.h"
 #include "common/batched.h"
 #include "common/gemm.h"
+#include "common/int8_dots.h"
 #include "common/paths.h"
 #include "common/weight_formats.h"
 #include "ops/qmatmul/qmatmul.h"
@@ -70,24 +71,54 @@ void BatchedMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
   });
 }
 
-template <typename T, class Format>
-void ComputeMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, const ParallelFor& parallel_for,
-                   Path path) {
+// int8 activations on the integer dots: per work item of kBlockRows rows, every token's dots.
+template <int Bits, typename T>
+void IntMatMul(const MatMulSizes& s, const QuantizedTokens& xs, const QuantRows<Bits, T>& w, int64_t block_size, T* y,
+               const ParallelFor& parallel_for) {
+  parallel_for(static_cast<size_t>((s.n + kBlockRows - 1) / kBlockRows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * kBlockRows, hi = std::min(lo + kBlockRows, s.n);
+    thread_local std::vector<float> dots;
+    dots.resize(s.tokens * kBlockRows);
+    IntDots(xs, s.tokens, w, block_size, lo, hi - lo, dots.data(), kBlockRows);
+    for (int64_t t = 0; t < s.tokens; ++t)
+      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[t * kBlockRows + j - lo], y + t * s.n + j);
+  });
+}
+
+// One call on `path`; with int8 activations (`xs` not null) the float paths multiply them
+// dequantized, the same products in float.
+template <int Bits, typename T>
+void ComputeMatMul(const MatMulSizes& s, const T* x, const QuantizedTokens* xs, const QuantRows<Bits, T>& w,
+                   int64_t block_size, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0 || s.n == 0) return;
+  std::vector<float> dequantized;
+  if (xs && path != Path::kInteger) {
+    dequantized = xs->Dequantized(s.tokens, s.k);
+    const MatMulSizes floats = s;
+    if constexpr (std::is_same_v<T, float>) {
+      return ComputeMatMul<Bits, float>(floats, dequantized.data(), nullptr, w, block_size, y, parallel_for, path);
+    } else {
+      std::vector<T> converted(dequantized.size());
+      for (size_t i = 0; i < dequantized.size(); ++i) FromFloat(dequantized[i], &converted[i]);
+      return ComputeMatMul<Bits, T>(floats, converted.data(), nullptr, w, block_size, y, parallel_for, path);
+    }
+  }
   switch (path) {
+    case Path::kInteger: return IntMatMul(s, *xs, w, block_size, y, parallel_for);
     case Path::kGemv: return DecodeMatMul(s, x, w, y, parallel_for);
     case Path::kBatched: return BatchedMatMul(s, x, w, y, parallel_for);
     case Path::kPrefill: return PrefillMatMul(s, x, w, y, parallel_for);
   }
 }
 
-// The path for this call (common/paths.h), timed once per process and format on rows of the
-// first call's matrix.
-template <typename T, class Format>
-Path MatMulPath(const MatMulSizes& s, const Format& w) {
+// The path for this call (common/paths.h), timed once per process, format and kind of
+// activations on rows of the first call's matrix.
+template <int Bits, typename T, bool kInt8>
+Path MatMulPath(const MatMulSizes& s, const QuantRows<Bits, T>& w, int64_t block_size) {
   static const PathChoice choice = [&] {
+    const int64_t most = kPathGrid[kPathGridSize - 1];
     const MatMulSizes part{0, s.k, std::min<int64_t>(s.n, 4 * kBlockRows)};
-    std::vector<T> x(kPathGrid[kPathGridSize - 1] * s.k), y(kPathGrid[kPathGridSize - 1] * part.n);
+    std::vector<T> x(most * s.k), y(most * part.n);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
     const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
       for (size_t i = 0; i < n; ++i) body(i);
@@ -95,25 +126,39 @@ Path MatMulPath(const MatMulSizes& s, const Format& w) {
     return MeasurePaths([&](Path path, int64_t tokens) {
       MatMulSizes sizes = part;
       sizes.tokens = tokens;
-      ComputeMatMul(sizes, x.data(), w, y.data(), inline_for, path);
-    }, std::numeric_limits<int64_t>::max());
+      if (kInt8) {
+        const QuantizedTokens xs(x.data(), tokens, s.k, Bits);
+        ComputeMatMul(sizes, x.data(), &xs, w, block_size, y.data(), inline_for, path);
+      } else {
+        ComputeMatMul(sizes, x.data(), nullptr, w, block_size, y.data(), inline_for, path);
+      }
+    }, [](Path path, int64_t) { return kInt8 || path != Path::kInteger; });
   }();
   return choice.For(s.tokens);
 }
 
+template <int Bits, typename T>
+void RunBits(const MatMulSizes& s, const Quantization& q, const T* x, const QuantizedMatrix<T>& w, T* y,
+             const ParallelFor& parallel_for) {
+  const int64_t stride = (s.k + q.block_size - 1) / q.block_size * q.block_size * Bits / 8;  // whole blocks
+  const QuantRows<Bits, T> rows(w, s.k, q.block_size, stride);
+  if (q.int8_activations && q.block_size % kGroup == 0) {
+    const QuantizedTokens xs(x, s.tokens, s.k, Bits);
+    ComputeMatMul(s, x, &xs, rows, q.block_size, y, parallel_for, MatMulPath<Bits, T, true>(s, rows, q.block_size));
+  } else {
+    ComputeMatMul(s, x, nullptr, rows, q.block_size, y, parallel_for, MatMulPath<Bits, T, false>(s, rows, q.block_size));
+  }
+}
 
 }  // namespace
 
 template <typename T>
 void RunQMatMul(const MatMulSizes& s, const Quantization& q, const T* x, const QuantizedMatrix<T>& w, T* y,
                 const ParallelFor& parallel_for) {
-  const int64_t stride = (s.k + q.block_size - 1) / q.block_size * q.block_size * q.bits / 8;  // whole blocks
   if (q.bits == 8) {
-    const QuantRows<8, T> rows(w, s.k, q.block_size, stride);
-    ComputeMatMul(s, x, rows, y, parallel_for, MatMulPath<T>(s, rows));
+    RunBits<8>(s, q, x, w, y, parallel_for);
   } else {
-    const QuantRows<4, T> rows(w, s.k, q.block_size, stride);
-    ComputeMatMul(s, x, rows, y, parallel_for, MatMulPath<T>(s, rows));
+    RunBits<4>(s, q, x, w, y, parallel_for);
   }
 }
 

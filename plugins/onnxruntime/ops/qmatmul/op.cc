@@ -43,7 +43,8 @@ infmoe::MatMulSizes CheckMatMul(const Inputs& in, const MatMulAttributes& attrib
   return {tokens, k, n};
 }
 
-template <typename T>
+// kInt8: the session's activations are int8 (register.cc).
+template <typename T, bool kInt8>
 struct QMatMulCpuKernel : OneOutput {
   static constexpr const char* kName = "QMatMul";
   static constexpr size_t kInputs = 3;
@@ -53,7 +54,9 @@ struct QMatMulCpuKernel : OneOutput {
 
   MatMulAttributes attributes;
   ConstantInputs constants;
-  explicit QMatMulCpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {}
+  explicit QMatMulCpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {
+    attributes.quantization.int8_activations = kInt8;
+  }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
@@ -70,9 +73,12 @@ struct QMatMulCpuKernel : OneOutput {
 
 }  // namespace
 
-std::vector<OrtCustomOp*> QMatMulOps() {
-  static Op<QMatMulCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_float(nullptr);
-  static Op<QMatMulCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_half(nullptr);
+std::vector<OrtCustomOp*> QMatMulOps(bool int8_activations) {
+  static Op<QMatMulCpuKernel<float, false>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_float(nullptr);
+  static Op<QMatMulCpuKernel<uint16_t, false>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_half(nullptr);
+  static Op<QMatMulCpuKernel<float, true>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> int8_float(nullptr);
+  static Op<QMatMulCpuKernel<uint16_t, true>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> int8_half(nullptr);
+  if (int8_activations) return {&int8_float, &int8_half};
   return {&cpu_float, &cpu_half};
 }
 }  // namespace ort

@@ -1,0 +1,107 @@
+"""`infmoe.activations = int8`: the quantized ops' integer dot products (QMatMul) against the
+reference `quant.int8_activations` (per row and group of 32 columns) times the dequantized
+weights, on every path; rows independent of their batch mates; the option's bad values.
+
+Data is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=<n> replays it).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from infmoe_export.errors import InfMoEError
+from infmoe_export.quant import int8_activations, q_matmul
+from infmoe_export.runtimes import ort_kernel
+from test_ort_kernel import relative_error
+from test_ort_qmatmul import make_feeds, model
+
+SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+PATH = os.environ.get("INFMOE_PATH", "auto")
+# (tokens, K, N, block): K odd, below one group, not a multiple of 32; one token to prefill sizes.
+CASES = [(1, 13, 37, 32), (2, 301, 77, 64), (5, 768, 131, 32), (9, 100, 33, 128), (40, 97, 61, 32), (1, 64, 5, 256)]
+
+
+def session(k, n, bits, block, activations="int8", dtype=np.float32, threads=1):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    assert ort_kernel.register(options, activations=activations)
+    return ort.InferenceSession(model(k, n, bits, block, dtype), options, providers=["CPUExecutionProvider"])
+
+
+def reference(feeds, bits, block):
+    a = int8_activations(torch.from_numpy(feeds["A"]).float()).double()
+    return q_matmul(a, torch.from_numpy(feeds["B"]), torch.from_numpy(feeds["scales"]).double(), bits, block).numpy()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tokens, k, n, block", CASES)
+def test_int8_activations_match_their_reference(library, tokens, k, n, block, bits):
+    rng = np.random.default_rng([SEED, tokens, k, bits])
+    feeds = make_feeds(rng, (tokens,), k, n, bits, block)
+    y = session(k, n, bits, block, threads=2).run(None, feeds)[0]
+    assert relative_error(y, reference(feeds, bits, block)) < 1e-5, f"seed {SEED}, path {PATH}"
+
+
+def test_int8_activations_are_not_float_activations(library):
+    """The option takes effect: the product differs from float activations by the activations'
+    rounding (~1e-3), far more than float rounding."""
+    rng = np.random.default_rng([SEED, 1])
+    feeds = make_feeds(rng, (3,), 301, 77, 4, 32)
+    y8 = session(301, 77, 4, 32).run(None, feeds)[0]
+    y32 = session(301, 77, 4, 32, activations="float").run(None, feeds)[0]
+    assert 1e-4 < relative_error(y8, y32.astype(np.float64)) < 3e-2, f"seed {SEED}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rows_do_not_depend_on_batch_mates(library, bits):
+    rng = np.random.default_rng([SEED, 2])
+    feeds = make_feeds(rng, (6,), 768, 131, bits, 32)
+    s = session(768, 131, bits, 32)
+    y = s.run(None, feeds)[0]
+    for t in range(6):
+        alone = s.run(None, dict(feeds, A=feeds["A"][t:t + 1]))[0]
+        assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-6, f"seed {SEED}, row {t}"
+
+
+def test_non_finite_activations_give_a_non_finite_row(library):
+    rng = np.random.default_rng([SEED, 3])
+    feeds = make_feeds(rng, (3,), 100, 20, 4, 32)
+    feeds["A"][1, 40] = np.inf
+    y = session(100, 20, 4, 32).run(None, feeds)[0]
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+def test_float16_activations(library):
+    rng = np.random.default_rng([SEED, 4])
+    feeds = make_feeds(rng, (4,), 200, 50, 4, 32, dtype=np.float16)
+    y = session(200, 50, 4, 32, dtype=np.float16).run(None, feeds)[0]
+    ref = reference({n: v.astype(np.float32) if v.dtype == np.float16 else v for n, v in feeds.items()}, 4, 32)
+    assert relative_error(y, ref) < 5e-3, f"seed {SEED}"
+
+
+def test_bad_option_values_are_errors():
+    with pytest.raises(InfMoEError, match="activations must be one of float, int8"):
+        ort_kernel.register(ort.SessionOptions(), activations="int4")
+
+
+def test_bad_option_value_in_the_session_is_refused_by_the_library(library):
+    options = ort.SessionOptions()
+    options.add_session_config_entry(ort_kernel.ACTIVATIONS, "bf16")
+    with pytest.raises(Exception, match="infmoe.activations must be float or int8, got 'bf16'"):
+        options.register_custom_ops_library(str(library))
+
+
+@pytest.mark.parametrize("path", ["integer", "batched", "prefill", "gemv"])
+def test_each_path(library, path):
+    """The tests above again with each path forced (the path is read once per process)."""
+    if "INFMOE_PATH" in os.environ:
+        pytest.skip("already running one path")
+    env = dict(os.environ, INFMOE_PATH=path, INFMOE_TEST_SEED=str(SEED))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                           "-k", "not each_path"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{path}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
