@@ -83,7 +83,8 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
 
     - The target is --target, else --for, else onnxruntime; when neither was given and config's
       head_dim does not fit onnxruntime's attention, the portable graph (with a note). --for is
-      checked against its runtime: tensorrt must be installed, onnxruntime must fit.
+      checked against its runtime: tensorrt must be installed, onnxruntime must fit (and without
+      the kernel library here, a note says the model runs on its functions).
     - int8 / int4 quantize every matrix the runtime reads fast at that precision: onnxruntime
       and portable the experts, attention and the tied embedding / LM head (the router,
       LayerNorms and biases stay float); tensorrt the experts (its plugin). --quantize-other
@@ -112,6 +113,12 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             if target or deploy:
                 raise InfMoEError(f"--{'target' if target else 'for'} onnxruntime: {problem}: use --for portable")
             chosen, note = "portable", f"the portable graph: {problem}"
+        else:
+            from .runtimes.ort_kernel import custom_op_library
+
+            if custom_op_library() is None:
+                note = ("the onnxruntime kernel library is not installed here: the model's infmoe ops run as "
+                        "their fallback functions, slower (docs/onnxruntime-kernel.md)")
     if deploy == "tensorrt":
         from .runtimes.tensorrt import tensorrt_problem
 

@@ -28,6 +28,7 @@ from infmoe_export.model import InfMoEConfig  # noqa: E402
 from infmoe_export.options import export_choices  # noqa: E402
 from infmoe_export.runtimes.generate import generate  # noqa: E402
 from infmoe_export.runtimes.ort import OrtRunner, SharedCache  # noqa: E402
+from infmoe_export.runtimes import ort_kernel  # noqa: E402
 from infmoe_export.runtimes.ort_kernel import custom_op_library, register  # noqa: E402
 from infmoe_export.verify.validate import validate_onnx  # noqa: E402
 
@@ -167,7 +168,7 @@ def _labels(config, *args, **kwargs):
     return [(c.label, c.block_size) for c in export_choices(config, *args, **kwargs)]
 
 
-def test_export_choices_resolve_the_flags():
+def test_export_choices_resolve_the_flags(monkeypatch):
     assert _labels(CONFIG) == [("onnxruntime fp32", 32)]
     assert _labels(CONFIG, ["fp32", "fp16", "int8", "int4"], block_size=64) == [
         ("onnxruntime fp32", 32), ("onnxruntime fp16", 32), ("onnxruntime all-int8", 64), ("onnxruntime all-int4", 64)]
@@ -182,6 +183,8 @@ def test_export_choices_resolve_the_flags():
     fallback, = export_choices(odd, ["int8"])
     assert fallback.label == "portable all-int8" and "head_dim 5" in fallback.note
     assert export_choices(odd, ["int8"], deploy="portable")[0].note is None
+    monkeypatch.setattr(ort_kernel, "custom_op_library", lambda: None)  # onnxruntime without our kernels
+    assert "kernel library is not installed" in export_choices(CONFIG, ["int4"])[0].note
 
 
 @pytest.mark.parametrize("config, kwargs, message", [
