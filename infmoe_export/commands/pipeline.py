@@ -5,8 +5,9 @@ baselines → parity → latency → memory → reports.
 
 By default a quick tour, a first verdict within two minutes on a small CPU: the deployed artifact
 at fp32 and int4, K = 1, 2, 8, quantile noise (the deployment mode), parity and latency on the
-deployed backend alone. `--full` runs the whole matrix: every precision, K 1, 2, 4, 8, both
-noise modes, every backend, TensorRT, the baselines and memory. Explicit lists override either.
+deployed backend alone, on half the parity text. `--full` runs the whole matrix: every precision,
+K 1, 2, 4, 8, both noise modes, every backend, TensorRT, the baselines and memory. Explicit lists
+override either.
 
 Every model is exported with its expert_starts outputs (SPEC §5's start agreement needs them).
 Latency is measured on the quantile models at every batch and sequence length, and on the
@@ -68,11 +69,12 @@ class Matrix(NamedTuple):
     noises: str
     dtypes: str
     batches: Sequence[int]
+    max_windows: int  # of parity text
     full: bool  # every backend, TensorRT, the bundled baselines, memory
 
 
-TOUR = Matrix("1,2,8", "quantile", "fp32,int4", (1,), full=False)
-FULL = Matrix("1,2,4,8", ",".join(NOISE_MODES), "fp32,int8,int4", (1, 4), full=True)
+TOUR = Matrix("1,2,8", "quantile", "fp32,int4", (1,), 4, full=False)
+FULL = Matrix("1,2,4,8", ",".join(NOISE_MODES), "fp32,int8,int4", (1, 4), 8, full=True)
 
 # What one item of each stage costs, roughly, in seconds on a small CPU with the bundled model:
 # the progress bar advances by these, so that rich's estimate of the time left (its measured
@@ -149,8 +151,9 @@ class Stages:
 @click.option("--noise", "noise_list", default=None,
               help=f"Noise modes, comma-separated (default {TOUR.noises}; --full {FULL.noises}).")
 @export_choice_options(many=True, deployments=("onnxruntime", "portable"))
-@click.option("--max-windows", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Windows of n_positions tokens of validation text for parity.")
+@click.option("--max-windows", type=click.IntRange(min=1), default=None,
+              help=f"Windows of n_positions tokens of validation text for parity (default {TOUR.max_windows}; "
+                   f"--full {FULL.max_windows}).")
 @click.option("--baseline", "baselines", type=click.Path(), multiple=True,
               help="Baseline checkpoint(s) drawn as reference points (--full: the bundled dense baselines, if "
                    "present).")
@@ -194,7 +197,7 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
                       f"{', '.join(noises)} noise, on the deployed backend; --full for the whole matrix",
                       markup=False, highlight=False)
     settings = dict(ks=ks, noises=noises, choices=choices, matrix=matrix, baselines=baselines,
-                    max_windows=max_windows, quality_budget=quality_budget / 100,
+                    max_windows=max_windows or matrix.max_windows, quality_budget=quality_budget / 100,
                     max_ppl_increase=max_ppl_increase / 100, min_top1=min_top1, iters=iters, warmup=warmup,
                     budget_s=budget_s, threads=threads)
     # The run is staged beside --out and published over it at the end (also when parity fails:
