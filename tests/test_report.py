@@ -643,45 +643,46 @@ def test_read_model_refuses_non_onnx(tmp_path):
 # The GPT-2-Small-size table from the benchmarks' results
 
 
-def quant_model_results(ks=(1, 2)) -> dict:
-    """A file in the layout `python -m benchmarks.quant_model` writes (only what the table reads,
-    and some it does not)."""
-    return {"benchmark": "quant_model", "machine": {"cpu": "Test CPU", "date": "2030-01-01T00:00:00+00:00",
-                                                    "cores": 2},
-            "goals": {}, "config": {"small": {"d_model": 768, "n_layer": 12, "ffn_hidden": 6144, "slice_width": 1536,
-                                              "vocab_size": 50257, "n_head": 12},
-                                    "past": 128, "threads": 2},
-            "results": [{"k": k, "read_gbs": 10.0,
-                         "decode_ms": {"fp32": 20.0 * k, "int8": 9.0, "int4": 8.0, "all-int8": 5.0, "all-int4": 4.0,
-                                       "all-int4, MatMulNBits": 6.0, "dense-medium-int4": 14.0}} for k in ks],
-            "memory": None}
+def peers_results() -> dict:
+    """A file in the layout `python -m benchmarks.peers` writes (only what the table reads, and
+    some it does not)."""
+    names = ["ours all-int4 K=2", "llama.cpp Medium Q4_0"]
+    return {"benchmark": "peers", "machine": {"cpu": "Test CPU", "date": "2030-01-01T00:00:00+00:00", "cores": 2},
+            "options": {"threads": 2, "quick": False}, "plan": {},
+            "contenders": [{"name": name, "runtime": "x"} for name in names],
+            "decode": [{"past": 128, "ms": {names[0]: 4.0, names[1]: 14.0}, "samples_ms": {}}],
+            "batched": [{"batch": b, "past": 128, "tokens_per_s": {names[0]: 100.0 * b}} for b in (1, 8, 32)],
+            "prefill": [{"tokens": 512, "tokens_per_s": {names[0]: 900.0, names[1]: 300.0}}],
+            "skipped": {"llama.cpp Small F16": "no llama_cpp"}, "goals": []}
 
 
 def test_small_model_table_is_read_and_labelled(setup, tmp_path):
     from infmoe_export.report.small_model import small_model_speed
 
-    (tmp_path / "quant_model.json").write_text(json.dumps(quant_model_results((2, 1))))
+    (tmp_path / "peers.json").write_text(json.dumps(peers_results()))
     section, warning = small_model_speed(tmp_path)
-    assert warning is None and [r["k"] for r in section["rows"]] == [1, 2]
-    assert section["rows"][1]["decode_ms"]["fp32"] == 40.0 and section["cpu"] == "Test CPU"
+    assert warning is None
+    assert section["columns"] == ["decode, past 128: ms/token", "8 sequences: tokens/s", "prefill 512: tokens/s"]
+    assert section["rows"][1] == {"contender": "llama.cpp Medium Q4_0", "values": [14.0, None, 300.0]}
     report = build_report("pipeline", "test", "ckpt", CONFIG.to_dict(), environment(1),
                           parity=setup["report"]["parity"], bench=setup["report"]["bench"], small_model=section)
     markdown = write_report(report, tmp_path / "out")["markdown"].read_text()
-    assert "GPT-2-Small-size model (benchmark results, not this run)" in markdown
-    assert f"Not this run: {tmp_path / 'quant_model.json'}" in markdown
-    assert "| 2 | 40.0 | 9.00 | 8.00 | 5.00 | 4.00 | 10.0× | 14.0 |" in markdown
+    assert "## GPT-2-Small-size model (benchmark results, not this run)" in markdown
+    assert f"Not this run: {tmp_path / 'peers.json'}" in markdown and "Test CPU" in markdown
+    assert "| ours all-int4 K=2 | 4.00 | 800 | 900 |" in markdown
+    assert "| llama.cpp Medium Q4_0 | 14.0 | — | 300 |" in markdown
+    assert "Not measured: llama.cpp Small F16 (no llama_cpp)." in markdown
 
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not readable as JSON"),
-    (json.dumps({**quant_model_results(), "benchmark": "decode"}), "not the quant_model benchmark's results (at benchmark"),
-    (json.dumps({**quant_model_results(), "results": [{"k": 1, "decode_ms": {"fp32": "fast"}}]}),
-     "at results/0/decode_ms/fp32"),
+    (json.dumps({**peers_results(), "benchmark": "decode"}), "not the peers benchmark's results (at benchmark"),
+    (json.dumps({**peers_results(), "decode": [{"past": 128, "ms": {"ours": "fast"}}]}), "at decode/0/ms/ours"),
 ])
 def test_small_model_table_malformed_is_a_warning(tmp_path, content, message):
     from infmoe_export.report.small_model import small_model_speed
 
-    (tmp_path / "quant_model.json").write_text(content)
+    (tmp_path / "peers.json").write_text(content)
     section, warning = small_model_speed(tmp_path)
     assert section is None and message in warning and "\n" not in warning
     assert small_model_speed(tmp_path / "absent") == (None, None)

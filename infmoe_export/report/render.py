@@ -24,7 +24,6 @@ from ..quant import PRECISIONS
 from ..runtimes.registry import BACKENDS
 from ..verify.parity import failures, label
 from .timing import within_noise
-from .small_model import PEER as SMALL_PEER, PRECISIONS as SMALL_PRECISIONS
 from .tradeoff import DEFAULT_QUALITY_BUDGET, baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
 
 SCHEMA_VERSION = 3
@@ -392,24 +391,15 @@ def front_table(report: dict) -> Table:
 
 def small_model_section(report: dict) -> Section:
     s = report["small_model"]
-    c = s["config"]
-    threads = f", {s['threads']} threads" if s["threads"] else ""
-
-    def speedup(row):
-        fp32, int4 = row["decode_ms"]["fp32"], row["decode_ms"]["all-int4"]
-        return f"{sig(fp32 / int4)}×" if int4 else "—"
-
-    table = Table("Batch-1 decode, ms per token",
-                  ["K", *SMALL_PRECISIONS, "all-int4 vs fp32", "dense Medium int4"],
-                  [[str(r["k"]), *(sig(r["decode_ms"][p]) for p in SMALL_PRECISIONS), speedup(r),
-                    sig(r["decode_ms"][SMALL_PEER])] for r in s["rows"]], [False] * len(s["rows"]),
-                  f"Not this run: {s['source']} (`python -m benchmarks.quant_model`), measured on {s['cpu']}, "
-                  f"{s['date']}{threads}. An ∞-MoE of GPT-2 "
-                  f"Small's size (D {c['d_model']}, L {c['n_layer']}, H {c['ffn_hidden']}, r {c['slice_width']}, "
-                  f"V {c['vocab_size']}, random weights), onnxruntime target with the kernel, a step after "
-                  f"{s['past']} tokens; int8 / int4: the experts quantized, all-int8 / all-int4: attention and the "
-                  "LM head too; dense Medium int4: a dense GPT-2-Medium-size model through onnxruntime's "
-                  "MatMulNBits. On the bundled model a step is mostly fixed cost; here the weights set the speed.")
+    note = (f"Not this run: {s['source']} (`python -m benchmarks.peers`), measured on {s['cpu']}, {s['date']}, "
+            f"{s['threads']} threads, random weights: speed, not quality. ours: the ∞-MoE of GPT-2 Small's size "
+            "exported for onnxruntime, run with the kernel; llama.cpp: dense GPT-2 Small and Medium; MatMulNBits: "
+            "onnxruntime's own int4 on a dense GPT-2-Medium-size model. On the bundled model a step is mostly "
+            "fixed cost; at this size the bytes read set the speed.")
+    if s["skipped"]:
+        note += f" Not measured: {'; '.join(s['skipped'])}."
+    table = Table("Speed beside the peers", ["contender", *s["columns"]],
+                  [[r["contender"], *map(sig, r["values"])] for r in s["rows"]], [False] * len(s["rows"]), note)
     return Section("GPT-2-Small-size model (benchmark results, not this run)", [table], False)
 
 

@@ -1,36 +1,42 @@
 """The GPT-2-Small-size speed table beside the bundled model's chart: on the bundled model every
-step is mostly fixed cost, so its chart cannot show what the precision buys; on a model of GPT-2
-Small's size the weights set the speed. The figures come from the benchmarks' results
-(`python -m benchmarks.quant_model`, benchmarks/results/quant_model.json in a source checkout),
-never from this run, and the report labels them so."""
+step is mostly fixed cost, so its chart cannot show what ∞-MoE's fewer bytes buy; at GPT-2
+Small's size the weights set the speed. The figures are the benchmarks' side-by-side run with
+the peers (`python -m benchmarks.peers`: our exports, llama.cpp, onnxruntime's MatMulNBits;
+benchmarks/results/peers.json in a source checkout, the README's table too), never this run's,
+and the report labels them so."""
 
 from pathlib import Path
 from typing import Optional, Tuple
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-SOURCE = "quant_model.json"
-# The precisions shown, in this order (the file may hold more), and the dense peer.
-PRECISIONS = ("fp32", "int8", "int4", "all-int8", "all-int4")
-PEER = "dense-medium-int4"
+SOURCE = "peers.json"
+BATCH = 16  # batched decode shown at this B (the largest measured below it where it was not)
 
-_MS = {"type": "number", "exclusiveMinimum": 0}
+
+POSITIVE = {"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": 0}}
+
+
+def _rows(key: str, figures: str) -> dict:
+    """A list of measurements, each at an integer key (past, batch, tokens) with a figure per contender."""
+    return {"type": "array", "items": {"type": "object", "required": [key, figures],
+                                       "properties": {key: {"type": "integer"}, figures: POSITIVE}}}
+
+
 # What this table reads of the file; anything else in it is left alone.
 SCHEMA = {
     "type": "object",
-    "required": ["benchmark", "machine", "config", "results"],
+    "required": ["benchmark", "machine", "options", "contenders", "decode", "batched", "prefill"],
     "properties": {
-        "benchmark": {"const": "quant_model"},
+        "benchmark": {"const": "peers"},
         "machine": {"type": "object", "required": ["cpu", "date"],
                     "properties": {"cpu": {"type": "string"}, "date": {"type": "string"}}},
-        "config": {"type": "object", "required": ["small", "past"],
-                   "properties": {"past": {"type": "integer"},
-                                  "threads": {"type": "integer"},
-                                  "small": {"type": "object", "required": ["d_model", "n_layer", "ffn_hidden",
-                                                                           "slice_width", "vocab_size"]}}},
-        "results": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["k", "decode_ms"],
-            "properties": {"k": {"type": "integer", "minimum": 1},
-                           "decode_ms": {"type": "object", "required": ["fp32"], "additionalProperties": _MS}}}},
+        "options": {"type": "object", "required": ["threads"], "properties": {"threads": {"type": "integer"}}},
+        "contenders": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}},
+        "decode": _rows("past", "ms"),
+        "batched": _rows("batch", "tokens_per_s"),
+        "prefill": _rows("tokens", "tokens_per_s"),
+        "skipped": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
 
@@ -52,11 +58,14 @@ def small_model_speed(results: Path = RESULTS) -> Tuple[Optional[dict], Optional
         return None, f"{path}: not readable as JSON ({error}); the GPT-2-Small-size table is left out"
     except jsonschema.ValidationError as error:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        return None, (f"{path}: not the quant_model benchmark's results (at {where}: {error.message[:200]}); "
+        return None, (f"{path}: not the peers benchmark's results (at {where}: {error.message[:200]}); "
                       "the GPT-2-Small-size table is left out")
-    small = data["config"]["small"]
+    batched = [row for row in sorted(data["batched"], key=lambda r: r["batch"]) if row["batch"] <= BATCH][-1:]
+    columns = ([(f"decode, past {r['past']}: ms/token", r["ms"]) for r in data["decode"]] +
+               [(f"{r['batch']} sequences: tokens/s", r["tokens_per_s"]) for r in batched] +
+               [(f"prefill {r['tokens']}: tokens/s", r["tokens_per_s"]) for r in data["prefill"]])
+    names = [c["name"] for c in data["contenders"]]
     return {"source": str(path), "cpu": data["machine"]["cpu"], "date": data["machine"]["date"],
-            "threads": data["config"].get("threads"), "past": data["config"]["past"],
-            "config": {key: small[key] for key in ("d_model", "n_layer", "ffn_hidden", "slice_width", "vocab_size")},
-            "rows": [{"k": r["k"], "decode_ms": {name: r["decode_ms"].get(name) for name in (*PRECISIONS, PEER)}}
-                     for r in sorted(data["results"], key=lambda r: r["k"])]}, None
+            "threads": data["options"]["threads"], "columns": [title for title, _ in columns],
+            "rows": [{"contender": name, "values": [figures.get(name) for _, figures in columns]} for name in names],
+            "skipped": [f"{what} ({why})" for what, why in data.get("skipped", {}).items()]}, None
