@@ -113,6 +113,21 @@ def test_model_without_function_needs_the_kernel(sampled_k2, tmp_path):
         create_session(path, kernel=False)
 
 
+def test_dense_models_need_the_kernel_only_where_they_hold_infmoe_ops(make_model, tmp_path):
+    """A dense model's portable graph is standard ops; on the onnxruntime target it holds infmoe
+    ops (attention, at int4 the expert op too), which without functions need the kernel."""
+    dense = make_model(d_model=16, n_head=2, slice_width=TINY["ffn_hidden"])
+    portable = export_onnx(dense, tmp_path / "portable.onnx", k=1, dtype="int4", block_size=16, function=False)
+    assert not portable.io.custom_ops
+    create_session(portable, kernel=False)
+    for dtype in ("fp32", "int4"):
+        exported = export_onnx(dense, tmp_path / f"{dtype}.onnx", k=1, dtype=dtype, block_size=16, function=False,
+                               target="onnxruntime")
+        assert exported.io.custom_ops and exported.io.experts_in_op == (dtype == "int4")
+        with pytest.raises(InfMoEError, match="--no-function"):
+            create_session(exported, kernel=False)
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_generation_is_the_same_in_torch_and_onnxruntime(tiny_model, sampled_k2, greedy):
     """Same seed, same expert noise and sampling draws: the same tokens, prefill + cache."""
