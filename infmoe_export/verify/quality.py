@@ -60,12 +60,12 @@ def float_reference(model: InfMoEGPT, decoder_io: DecoderIO) -> TorchRunner:
     return TorchRunner(dataclasses.replace(decoder_io, dtype="fp32", quantize_other="none", with_starts=True), model)
 
 
-def starts_session(exported: ExportedModel, kernel: bool = True, providers=None):
+def starts_session(exported: ExportedModel, kernel: bool = True, providers=None, activations: str = "float"):
     """(session, output names): onnxruntime on exported, with every layer's starts as the last
     outputs when the file does not output them (a sibling copy, removed once loaded)."""
     copy = _with_starts_outputs(exported.path, exported.io)
     try:
-        session = create_session(copy or exported, kernel=kernel, providers=providers)
+        session = create_session(copy or exported, kernel=kernel, providers=providers, activations=activations)
     finally:
         if copy is not None:
             copy.unlink()
@@ -88,12 +88,12 @@ def _with_starts_outputs(path: Path, decoder_io: DecoderIO) -> Optional[Path]:
     return Path(copy)
 
 
-def _test_outputs(exported, kernel: bool):
+def _test_outputs(exported, kernel: bool, activations: str = "float"):
     """(decoder_io, run(feed) -> (logits, starts per layer or None), cleanup) of what is scored."""
     if isinstance(exported, (str, os.PathLike)):
         exported = ExportedModel.read(exported)
     if isinstance(exported, ExportedModel):
-        session, names = starts_session(exported, kernel=kernel)
+        session, names = starts_session(exported, kernel=kernel, activations=activations)
         io = exported.io
 
         def run(feed):
@@ -115,12 +115,14 @@ def _test_outputs(exported, kernel: bool):
 
 
 def quality_vs_float(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathLike, object],
-                     texts: Sequence = (), *, max_windows: int = 8, seed: int = 0, kernel: bool = True) -> dict:
+                     texts: Sequence = (), *, max_windows: int = 8, seed: int = 0, kernel: bool = True,
+                     activations: str = "float") -> dict:
     """Level 2 of exported (an export, its path, or a runner with .io and infer()) against the
     float32 model on full windows of texts (default: the stdlib validation split): perplexity of
     both and the increase in %, top-1 and start agreement, logit error percentiles (per token
-    max |difference|). Sampled-noise models get evaluate's seeded noise, as parity does."""
-    decoder_io, run, cleanup = _test_outputs(exported, kernel)
+    max |difference|). Sampled-noise models get evaluate's seeded noise, as parity does.
+    activations: the kernel's for an export ("float" or "int8", create_session)."""
+    decoder_io, run, cleanup = _test_outputs(exported, kernel, activations)
     if decoder_io.config != model.config:
         raise InfMoEError("the model to score was exported from a different config than the float model given")
     data = read_texts(texts) if texts else corpus_bytes("validation")
@@ -145,7 +147,7 @@ def quality_vs_float(model: InfMoEGPT, exported: Union[ExportedModel, str, os.Pa
     finally:
         cleanup()
     ppl_float, ppl = perplexity_of_logits(float_logits, ids), perplexity_of_logits(test_logits, ids)
-    return {"precision": decoder_io.dtype, "quantize_other": decoder_io.quantize_other,
+    return {"precision": decoder_io.dtype, "quantize_other": decoder_io.quantize_other, "activations": activations,
             "block_size": decoder_io.block_size, "k": decoder_io.k, "noise": decoder_io.noise,
             "perplexity_float": ppl_float, "perplexity": ppl, "perplexity_increase_pct": 100 * (ppl / ppl_float - 1),
             **agreement.summary()}
