@@ -160,6 +160,45 @@ def test_level2_budget_fails_a_backend_naming_the_figure(setup):
     assert parity_lib.failures(strict)[0].startswith("ort-fallback int4 K=1 quantile: level 2: ")
 
 
+def test_pipeline_reads_level2_as_advice(setup, tmp_path):
+    """The pipeline's reading: int4 over a strict accuracy budget with its kernel right is over the
+    budget, not failed: the report passes, its headline names the precision and the figure, the
+    recommendation leaves it out. A row that also failed level 1 still fails."""
+    from infmoe_export.report.render import level2_as_advice
+
+    models = [m for m in setup["models"] if m.noise == "quantile"]  # fp32 and int4, K = 1
+    strict = parity_lib.run_parity(setup["model"], models, backends=["ort-fallback"], max_windows=2,
+                                   max_ppl_increase=1e-5, min_top1=1.0)
+    read = level2_as_advice(strict)
+    rows = {r["dtype"]: r for r in read["results"] if r["backend"] == "ort-fallback"}
+    assert rows["fp32"]["status"] == "pass"  # the same math as the float reference
+    assert rows["int4"]["level1"] == "pass" and rows["int4"]["level2"] == "fail"
+    assert rows["int4"]["status"] == "over_budget" and parity_lib.failures(read) == []
+    assert parity_lib.failures(strict)  # the `parity` command's reading is unchanged
+
+    report = build_report("pipeline", "test", "ckpt", CONFIG.to_dict(), environment(1), parity=read,
+                          bench=setup["report"]["bench"])
+    assert report["passed"] and report["failures"] == []
+    assert report["over_budget"] == [f"ort-fallback int4 K=1 quantile: {rows['int4']['reason']}"]
+    assert report["recommendation"]["dtype"] == "fp32"
+    assert {p["label"] for p in report["recommendation"]["front"]}.isdisjoint({"ort-fallback int4 K=1 quantile"})
+    verdict = next(v for v in report["verdicts"] if (v["backend"], v["dtypes"]) == ("ort-fallback", ["int4"]))
+    assert verdict["status"] == "over_budget" and "over the accuracy budget at K 1: " in verdict["text"]
+    markdown = write_report(report, tmp_path / "out")["markdown"].read_text()
+    first = markdown.splitlines()[0]
+    assert first.startswith("# infmoe-export pipeline: PASSED — int4 over the accuracy budget: ")
+    assert ("perplexity +" in first) == (rows["int4"]["perplexity_increase"] > 1e-5)
+    assert ("top-1 agreeing with float" in first) == (rows["int4"]["float_top1_agreement"] < 1.0)
+    assert "- ! ort-fallback int4: over budget — K 1; quantile noise; " in markdown
+    assert "| ort-fallback | int4 | quantile | 1 | over budget |" in markdown
+
+    broken = {**strict, "results": [{**r, "level1": "fail"} if r["status"] == "fail" else r
+                                    for r in strict["results"]]}
+    assert [r["status"] for r in level2_as_advice(broken)["results"]] == [r["status"] for r in broken["results"]]
+    assert not build_report("pipeline", "test", "ckpt", CONFIG.to_dict(), environment(1),
+                            parity=level2_as_advice(broken))["passed"]
+
+
 def test_block_size_is_checked_only_with_blocks():
     assert precision_list("int4, fp32") == ["fp32", "int4"]
     export_choices(CONFIG, ["fp32"], block_size=24)  # no blocks, no check

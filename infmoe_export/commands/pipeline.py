@@ -14,6 +14,11 @@ Latency is measured on the quantile models at every batch and sequence length, a
 sampled ones at batch-1 decode only: the two graphs differ by one input, so that is enough to
 show it costs nothing and keeps the job short. The baselines are timed with the quantile models,
 in the same interleaved loop.
+
+The verdict and the exit status are level 1's: whether each backend computes what the spec says.
+A precision whose only shortfall is level 2 (it costs more accuracy against the float model than
+--max-ppl-increase / --min-top1 allow) is a trade-off, not a fault: the report names it over the
+accuracy budget and the recommendation leaves it out, but the run passes.
 """
 
 import contextlib
@@ -38,7 +43,7 @@ from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_
 from ..report.baselines import baseline_paths, prepare_baselines
 from ..report.bench import DEFAULT_PAST, run_bench
 from ..report.memory import run_memory
-from ..report.render import build_report, export_labels, print_summary, write_report
+from ..report.render import build_report, export_labels, level2_as_advice, print_summary, write_report
 from ..report.small_model import small_model_speed
 from ..report.timing import REL_CI, environment
 from ..report.tradeoff import DEFAULT_QUALITY_BUDGET
@@ -162,9 +167,10 @@ class Stages:
               help="The recommendation: the fastest configuration whose perplexity is within this many percent of "
                    "the best the run measured.")
 @click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
-              help="Level-2 budget: perplexity increase over the float model, in percent.")
+              help="Accuracy (level-2) budget: perplexity increase over the float model, in percent. A precision "
+                   "over it is reported and left out of the recommendation; it does not fail the run.")
 @click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
-              help="Level-2 budget: least share of tokens whose top-1 agrees with the float model's.")
+              help="Accuracy (level-2) budget: least share of tokens whose top-1 agrees with the float model's.")
 @click.option("--iters", type=click.IntRange(min=1), default=200, show_default=True,
               help="Timed calls per latency figure at most.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
@@ -176,7 +182,8 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
                      baselines, no_baselines, quality_budget, max_ppl_increase, min_top1, iters, warmup, budget_s,
                      threads):
     """The main job: export, validate, parity, latency (and with --full: TensorRT, baselines,
-    memory), reports. By default a quick tour of the deployed artifact."""
+    memory), reports. By default a quick tour of the deployed artifact. Exits 1 when a backend
+    fails parity level 1; a precision over the accuracy budget is reported, not failed."""
     matrix = FULL if full else TOUR
     ks = positive_ints(ks or matrix.ks, "--k")
     noise_list = noise_list or matrix.noises
@@ -217,7 +224,7 @@ def deployed_backend(kernel: bool) -> str:
 
 def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choices, matrix: Matrix, baselines,
                max_windows, quality_budget, max_ppl_increase, min_top1, iters, warmup, budget_s, threads):
-    """Every stage into the folder work; returns the report's paths and the parity failure line."""
+    """Every stage into the folder work; returns the report's paths and the parity (level-1) failure line."""
     models_dir = work / "models"
     models = []
     engines = None
@@ -269,9 +276,9 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
 
     def parity(advance):
         nonlocal parity_section
-        parity_section = run_parity(torch_model, models, backends=[b for b in backends if b != "torch"],
-                                    engines=engines, max_windows=max_windows, max_ppl_increase=max_ppl_increase,
-                                    min_top1=min_top1, progress=advance)
+        parity_section = level2_as_advice(run_parity(
+            torch_model, models, backends=[b for b in backends if b != "torch"], engines=engines,
+            max_windows=max_windows, max_ppl_increase=max_ppl_increase, min_top1=min_top1, progress=advance))
         return ("failed" if failure_line(parity_section) else "ok"), None
 
     def latency(advance):
