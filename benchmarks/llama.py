@@ -60,6 +60,7 @@ class LlamaModel:
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
+        self.positions = llama_cpp.llama_model_n_ctx_train(self.model)
         self.ctx, self.sequences, self.batches = None, 0, []
 
     def context(self, sequences: int):
@@ -112,8 +113,14 @@ class LlamaModel:
             batch.logits[i] = int(not last_only or i == n - 1)
         return batch
 
+    def _check_positions(self, count: int):
+        """llama.cpp aborts the process on a position past the model's; refuse it here instead."""
+        if count > self.positions:
+            raise ValueError(f"{count} tokens do not fit the model's {self.positions} positions")
+
     def prefill_at(self, tokens: np.ndarray):
         """A step that prefills `tokens` from position 0 of sequence 0 (logits of the last)."""
+        self._check_positions(len(tokens))
         ctx = self.context(1)
         memory = self.lib.llama_get_memory(ctx)
         batch = self._batch(tokens, range(len(tokens)), [0] * len(tokens), last_only=True)
@@ -126,6 +133,7 @@ class LlamaModel:
     def step_at(self, tokens: np.ndarray, past: int, batch_size: int = 1):
         """A step of `batch_size` sequences, each one new token (tokens[past]) at exactly `past`
         after tokens[:past]: each call first removes what the previous call added."""
+        self._check_positions(past + 1)
         ctx = self.context(batch_size)
         memory = self.lib.llama_get_memory(ctx)
         self.lib.llama_memory_clear(memory, True)
@@ -165,7 +173,10 @@ def main():
     reason = available()
     if reason:
         sys.exit(f"benchmarks.llama: {reason}")
-    print(json.dumps(child(args.model, args.threads, args.past)))
+    try:
+        print(json.dumps(child(args.model, args.threads, args.past)))
+    except (RuntimeError, ValueError) as error:
+        sys.exit(f"benchmarks.llama: {error}")
 
 
 if __name__ == "__main__":

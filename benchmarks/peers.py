@@ -142,21 +142,20 @@ def llama_contender(size: str, file_type: str, path: Path, threads: int) -> Cont
     from infmoe_export.report.bench import text_tokens
 
     from .llama import LlamaModel
+    from .shapes import PAST
 
     model = LlamaModel(path, threads)
     return Contender(llama_name(size, file_type), "llama.cpp", f"GPT-2 {size} (dense)", file_type, None, path,
                      decode=lambda past: model.step_at(text_tokens(past + 1), past),
                      batched=lambda past, b: model.step_at(text_tokens(past + 1), past, b),
                      prefill=lambda n: model.prefill_at(text_tokens(n)),
-                     rss=lambda: llama_rss(path, threads), close=model.close)
+                     rss=lambda: llama_rss(path, threads, PAST), close=model.close)
 
 
-def llama_rss(path: Path, threads: int) -> dict:
+def llama_rss(path: Path, threads: int, past: int) -> dict:
     """benchmarks.llama's child: its JSON, or {"error": its last line}."""
-    from .shapes import PAST
-
     done = subprocess.run([sys.executable, "-m", "benchmarks.llama", str(path), "--threads", str(threads),
-                           "--past", str(PAST)], capture_output=True, text=True,
+                           "--past", str(past)], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]}

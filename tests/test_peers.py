@@ -210,10 +210,13 @@ def test_llama_cpp_runs_the_written_gguf(tmp_path):
         model.prefill_at(tokens[:32])()
         step = model.step_at(tokens, past=30)
         step()
+        with pytest.raises(ValueError, match="do not fit the model's 64 positions"):
+            model.step_at(np.arange(80) % 256, past=64)  # llama.cpp itself would abort the process
     finally:
         model.close()
-    measured = llama_rss(path, 1)
+    measured = llama_rss(path, 1, past=16)
     assert measured["peak_rss_bytes"] >= measured["rss_before_load_bytes"] > 0, measured
+    assert llama_rss(path, 1, past=100) == {"error": "benchmarks.llama: 101 tokens do not fit the model's 64 positions"}
 
 
 @pytest.mark.parametrize("precision", list(peers.PRECISIONS))
