@@ -117,6 +117,8 @@ def matrix(root: Path, made: dict) -> list:
                      "--noise", "quantile", "--max-windows", "1", "--iters", "1", "--warmup", "0", "--dtype", "fp32",
                      "--no-baselines"],
         "trt": ["trt", "--checkpoint", ckpt, "--out", str(out / "engines"), "--k", "1"],
+        "deploy": ["deploy", "--checkpoint", ckpt, "--out", str(out / "deploy"), "--k", "1", "--dtype", "fp32",
+                   "--max-windows", "1", "--budget", "0.01", "--threads", "1"],
         "inspect": ["inspect", onnx_model],
         "doctor": ["doctor"],
     }
@@ -136,6 +138,9 @@ def matrix(root: Path, made: dict) -> list:
         "pipeline": {"--out": paths, "--k": ["0", "-1", str(2**64), "abc", "", "1000000"],
                      "--noise": ["", "gaussian", "quantile,bogus"], "--checkpoint": checkpoints},
         "trt": {"--out": paths, "--k": numbers, "--max-batch": numbers},
+        "deploy": {"--out": paths, "--checkpoint": checkpoints, "--k": numbers + ["1000000"],
+                   "--dtype": ["", "fp64", "int4"], "--for": ["", "tvm", "tensorrt"], "--max-ppl-increase": numbers,
+                   "--min-top1": numbers, "--block-size": numbers + ["24"], "--max-windows": numbers},
         "inspect": {"": paths},
         "doctor": {"--bogus": ["1"]},
     }
