@@ -8,14 +8,13 @@ namespace INFMOE_VARIANT {
 namespace {
 
 // The GEMMs of prefill, our own rather than Eigen's: it takes the weights as they lie (float rows)
-// or as dequantized into scratch, where Eigen packs them once more (QMatMul took 1.14-1.26x the
-// time of onnxruntime's MLAS on a prepacked float weight with Eigen, ~1.0x with this;
-// docs/onnxruntime-kernel.md). The tokens are packed once, across the lanes (PackTokens); per
+// or as dequantized into scratch, where Eigen packs them once more (with this, QMatMul's prefill
+// keeps pace with onnxruntime's MLAS on a prepacked float weight: benchmarks.qmatmul). The tokens are packed once, across the lanes (PackTokens); per
 // tile of kTileTokens tokens and strip of kStripColumns output columns, one register block of
 // sums runs over the whole depth in order: every output is its own sum, bitwise the same
 // for any number of threads.
 constexpr int kGemmLanes = kWide;
-constexpr int kTileVectors = 2;  // 3 x 8 and 4 x 6 (x 16 lanes) were no faster, 1 x 28 spilled
+constexpr int kTileVectors = 2;  // 3 x 8 and 4 x 6 (x 16 lanes) were no faster; 1 x 28 spills
 constexpr int kTileTokens = kTileVectors * kGemmLanes;
 constexpr int kStripColumns = kGemmLanes == 16 ? 12 : 6;  // 24 or 12 accumulators: the registers
 

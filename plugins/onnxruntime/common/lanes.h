@@ -9,7 +9,7 @@ namespace {
 
 // W floats as a GCC/Clang vector (one register of the variant). Each weight format picks its
 // width: kNarrow for float weights, whose loops are memory bound (AVX-512 loads stream no faster
-// than AVX2 ones here, measured: 25 against 19 GB/s at one thread on Zen 4), kWide for quantized
+// than AVX2 ones), kWide for quantized
 // ones, whose loops are bound by the widening arithmetic. A type wider than the registers would
 // be split by the compiler through memory.
 template <int W>

@@ -92,7 +92,7 @@ inline void Describe(const Ort::ConstValue& value, ONNXTensorElementDataType& ty
 
 // A kernel's constant initializer inputs (its weights), described once when the kernel is made:
 // their types and shapes cannot change, and describing a tensor costs an allocation inside
-// onnxruntime (0.08 us an input here, four of the expert op's six).
+// onnxruntime (four of the expert op's six inputs).
 struct ConstantInputs {
   std::vector<bool> constant;
   std::vector<ONNXTensorElementDataType> types;

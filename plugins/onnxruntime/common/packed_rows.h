@@ -7,9 +7,9 @@
 //  * int8: masked into the mantissa of 2^23 (one vpternlogd) the field is the float
 //    2^23 + u 2^(8 k'), and one subtraction of 2^23 + 2^(7 + 8 k') leaves q 2^(8 k') exactly.
 //  * int4: the field shifted down to the low 4 bits indexes a vpermps table of q 2^(4 k'): shift,
-//    vpermps, FMA. On Zen 4 integer and float vector ops share the four FP pipes, and vpternlogd
-//    overwrites an input (a register copy per use): the mask costs 4 vector ops per 16 weights,
-//    the table at most 3 (0.82-0.86x the time of a decode call, in cache and streamed).
+//    vpermps, FMA. Where integer and float vector ops share the FP pipes (Zen 4), and since
+//    vpternlogd overwrites an input (a register copy per use), the mask costs 4 vector ops per
+//    16 weights, the table at most 3: the faster decode.
 // The power of two is undone on the other factor: x is stored times 2^-(Bits k'), the partial
 // outputs are kept times 2^(Bits k') and scaled back once, in the final sum (powers of two:
 // exact). So slot kPerDword g + k, lane l holds column 16 kPerDword g + kPerDword l + k (the layout of x
@@ -45,9 +45,9 @@ struct PackedRows {
     for (int l = 0; l < 16; ++l) index[l] = (kPerDword * l) >> block_log2;
     scale_index = _mm512_load_si512(index);
   }
-  // Software prefetch kPrefetchRows rows ahead in each stream (0.89-0.94x the time streamed,
-  // 1.01x in cache; 4 rows ahead or more: less gain or slower); a prefetch never faults, past the
-  // tensor's end neither. Row's scales here, its group g's bytes in Bytes.
+  // Software prefetch kPrefetchRows rows ahead in each stream (faster streamed, neutral in cache;
+  // further ahead gained less: benchmarks.qop); a prefetch never faults, past the tensor's end
+  // neither. Row's scales here, its group g's bytes in Bytes.
   void Prefetch(typename QuantRows<Bits, T>::Row row) const {
     const char* scale = reinterpret_cast<const char*>(row.scale + kPrefetchRows * w.blocks);
     _mm_prefetch(scale, _MM_HINT_T0);
@@ -61,8 +61,8 @@ struct PackedRows {
     return _mm512_maskz_loadu_epi8((__mmask64{1} << (w.packed - 64 * g)) - 1, q + 64 * g);
   }
   // Each lane's block scale in group g; tail: the row's last group, which may lack blocks.
-  // Plain loads of exactly the group's scales where all are there (a masked load: 3-7 % slower
-  // in cache), zero above them.
+  // Plain loads of exactly the group's scales where all are there (a masked load was slower in
+  // cache), zero above them.
   __m512 ScaleLanes(const T* scale, int64_t g, bool tail) const {
     const int64_t first = (int64_t{kGroupColumns} * g) >> block_log2;
     const T* s = scale + first;
@@ -112,8 +112,8 @@ struct PackedRows {
   static float Unscale(int64_t slot) { return 1.0f / static_cast<float>(1 << (Bits * (slot % kPerDword % kHalf))); }
 };
 
-// int8 too: 0.75x the time of its natural layout (vpmovsxbd, vcvtdq2ps, FMA) in cache and
-// streamed, with four rows a pass as runs (below; adjacent rows side by side streamed 1.6x slower).
+// int8 too: faster than its natural layout (vpmovsxbd, vcvtdq2ps, FMA) in cache and streamed,
+// with four rows a pass as runs (below; adjacent rows side by side streamed slower).
 template <int Bits, typename T>
 PackedRows<Bits, T> DecodeRows(const QuantRows<Bits, T>& w) {
   return PackedRows<Bits, T>(w);
@@ -123,8 +123,8 @@ struct DecodeLayout<PackedRows<Bits, T>> {
   using Rows = PackedRows<Bits, T>;
   // Four runs of a chunk's rows side by side, each front to back: x and the partial output are
   // loaded once for four rows, and the hardware prefetcher follows the four streams. Adjacent
-  // rows side by side (one stream) streamed 1.1-1.6x slower from memory, software prefetch did
-  // not help; against two adjacent rows a pass, int4: 0.97x the time in cache, 0.8-0.9x streamed.
+  // rows side by side (one stream) streamed slower from memory, with or without software
+  // prefetch (docs/design/decisions.md).
   static constexpr int kRows = 4;
   static int64_t Slots(int64_t d) { return (d + Rows::kGroupColumns - 1) / Rows::kGroupColumns * Rows::kPerDword; }
   static int64_t Column(int64_t s, int l) {

@@ -24,6 +24,15 @@ constexpr const char* kPathNames[] = {"integer", "gemv", "batched", "prefill"};
 constexpr int64_t kPathGrid[] = {1, 2, 4, 8, 16, 32, 64, 128};
 constexpr int kPathGridSize = sizeof kPathGrid / sizeof kPathGrid[0];
 
+// The calibration's activations stay within this many values (a wide matrix is timed at fewer
+// tokens; the larger grid points then keep the last timed choice).
+constexpr int64_t kCalibrationValues = int64_t{1} << 21;
+
+// The grid points timed for rows of `width` columns: 1 to 128 tokens, fewer for wide rows.
+inline int64_t CalibrationTokens(int64_t width) {
+  return std::clamp<int64_t>(kCalibrationValues / std::max<int64_t>(width, 1), 1, 128);
+}
+
 struct PathChoice {
   Path at[kPathGridSize];
   Path For(int64_t tokens) const {
@@ -46,7 +55,7 @@ inline const char* ForcedPath() {
 // best of three timings each); then made monotone in the order of Path: once a later path wins,
 // no earlier one is taken for more tokens, so timing noise can never put a cliff into the curve.
 template <class Run, class Allowed>
-PathChoice MeasurePaths(Run&& run, Allowed&& allowed) {
+PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
   PathChoice choice;
   const char* forced = ForcedPath();
   const Path paths[] = {Path::kInteger, Path::kGemv, Path::kBatched, Path::kPrefill};
@@ -57,6 +66,10 @@ PathChoice MeasurePaths(Run&& run, Allowed&& allowed) {
       while (p < 3 && std::strcmp(forced, kPathNames[p]) != 0) ++p;
       while (p < 3 && !allowed(paths[p], tokens)) ++p;
       choice.at[i] = paths[p];
+      continue;
+    }
+    if (tokens > max_tokens) {  // not timed: as the last timed point
+      choice.at[i] = choice.at[i - 1];
       continue;
     }
     double best = 0;

@@ -9,9 +9,8 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-// decode: weight bytes (w_in + w_out) per work item at most. 512 KB against 256 KB: 0.91-0.99x the
-// time (longer streams); 1 MB: 2-4 % faster still at one thread, but few chunks to share (int4,
-// K = 1: two).
+// decode: weight bytes (w_in + w_out) per work item at most: long streams, yet enough chunks to
+// share between threads (benchmarks.qop measures it; docs/design/decisions.md has the others tried).
 constexpr int64_t kChunkBytes = 512 << 10;
 constexpr int64_t kMaxChunkRows = 1024;
 constexpr int64_t kFloatPrefetchBytes = 3072;  // decode, float rows on Intel (IntelStreams): prefetch distance
@@ -22,15 +21,9 @@ constexpr int64_t kPrefetchRows = 2;       // decode, quantized rows on AVX-512:
 // 2^block_shift units, so that the GEMV loops apply a scale once per block, not once per weight.
 
 // How float rows stream at decode on Intel's cores: two runs of a chunk's rows a pass (two
-// streams, side by side: DotRows) and a software prefetch. Measured on a Xeon (AVX-512,
-// 2026-12-03/04, bench_qop's layer, K 1/2/8, 1 and 2 threads, libraries interleaved call by
-// call): with one run, the fp32 op 0.89-0.93x the time with prefetcht1 4 KB ahead (1 KB ahead
-// 0.95-0.97x, 2 KB 0.89-0.93x, 8 KB as 4 KB), the fp16 op 0.77-0.81x; two runs without the
-// prefetch 0.90-0.93x the time of one (four no better); two runs with the prefetch 3 KB ahead
-// 0.88-0.94x the time of one run 4 KB ahead (fp32 and fp16; 2 KB 0.90-0.94x, 4 KB 0.96-0.98x,
-// 8 KB 1.0x, prefetcht0 as t1, prefetchnta 3x slower). On Zen 4 prefetching 1-4 KB ahead made
-// the one-run loops 1.02-1.2x slower and four runs 1.14-1.22x; two runs were not measured there,
-// so other CPUs keep one run and no prefetch.
+// streams, side by side: DotRows) and a software prefetch kFloatPrefetchBytes ahead, which
+// benchmarks.qop found fastest there; on AMD's cores prefetching slowed the loops, so other CPUs
+// keep one run and no prefetch (the distances and run counts tried: docs/design/decisions.md).
 // Chosen once per process; INFMOE_INTEL_STREAMS=1 or 0 forces either way (tests: both paths on
 // any CPU; the prefetch itself exists on x86-64 only).
 inline bool IntelStreams() {
@@ -134,14 +127,13 @@ inline Lanes<Format::kWidth> Dequantized(const Format& w, typename Format::Row r
 // The decode loops take Rows rows a pass, rows i + r stride for r = 0 .. Rows - 1 (Rows streams,
 // each front to back through its own run of rows): dots[r stride] = row . x, and
 // out += h[r stride] * row for each in that order (DecodeLayout::kRows: float rows two on Intel,
-// one elsewhere; quantized rows four on AVX-512, PackedRows, one elsewhere; rows adjacent rather
-// than runs apart, four streams 3 KB apart, streamed 2-10x slower from memory here).
+// one elsewhere; quantized rows four on AVX-512, PackedRows, one elsewhere; runs apart rather
+// than adjacent rows, which streamed several times slower from memory).
 
 // Float rows (one block, scale 1): the Rows rows side by side unit by unit, so the streams
 // interleave at every load; each row has four accumulator chains (unit u into chain u mod 4, to
 // hide the FMA latency), and at each unit out takes the rows' products in row order: every sum
-// is bit for bit that of one whole row after another, which took 1.01-1.05x the time (Xeon,
-// fp32, two runs, K 1/2/8, 1 and 2 threads, 2026-12-04).
+// is bit for bit that of one whole row after another, at a cost within the noise.
 template <int Rows, typename T, bool kIntel>
 inline void DotRows(const FloatRows<T, kIntel>& w, int64_t i, int64_t stride, const Lanes<kNarrow>* x, int64_t full,
                     int64_t tail, float* dots) {

@@ -3,7 +3,8 @@ infmoe::DecoderAttention, infmoe::WindowStarts and infmoe::StepInputs through on
 for the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows: 30% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (caches
+windows: 30% of the cases for each expert op, 15% each for QMatMul (half of them with int8
+activations) and DecoderAttention (caches
 of up to 300 positions, rows of different lengths, past absent; invalid: a dimension changed,
 seqlens_k out of range, total_sequence_length 0, a wrong element type), 5% WindowStarts (eps
 shared or per token; invalid: a dimension changed, slice_width outside [1, H], a wrong element
@@ -21,7 +22,7 @@ finding.
       ASAN_OPTIONS=detect_leaks=0 INFMOE_ORT_LIBRARY=plugins/onnxruntime/build-asan/libinfmoe_ort.so \\
       .venv/bin/python plugins/onnxruntime/tools/fuzz.py --cases 20000
 
-(docs/onnxruntime-kernel.md says why libstdc++ is preloaded too.)
+(docs/design/kernel.md says why libstdc++ is preloaded too.)
 """
 
 import argparse
@@ -35,7 +36,7 @@ from onnx import helper
 from infmoe_export.model import continuous_slice_ffn
 from infmoe_export.export.function import attention_model, op_model, qmatmul_model, step_inputs_model, window_starts_model
 from infmoe_export.export.ort_target import decoder_attention, step_inputs_reference, window_starts_reference
-from infmoe_export.quant import n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
+from infmoe_export.quant import int8_activations, n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
 from infmoe_export.runtimes import ort_kernel
 
 NAMES = ("X", "starts", "w_in", "b_in", "w_out", "b_out")
@@ -319,15 +320,15 @@ def main():
 
     sessions = {}
 
-    def session(feeds, key, make_model, threads):
+    def session(feeds, key, make_model, threads, activations="float"):
         """The session of the model make_model() builds, cached by key (its attributes), the
-        feeds' types and the thread count."""
-        key = (*key, tuple(str(v.dtype) for v in feeds.values()), threads)
+        feeds' types, the thread count and the quantized ops' activations."""
+        key = (*key, tuple(str(v.dtype) for v in feeds.values()), threads, activations)
         if key not in sessions:
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.log_severity_level = 4  # the refused cases would each log an error line
-            if not ort_kernel.register(options):
+            if not ort_kernel.register(options, activations=activations):
                 sys.exit("fuzz: the kernel library is not built")
             model = make_model()
             for value_info in model.graph.input:  # the wrong-type cases declare their types
@@ -364,12 +365,13 @@ def main():
             make_model = lambda: op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits,  # noqa: E731
                                           **({} if block is None else dict(block_size=block)))
         threads = int(rng.integers(1, 3))
+        activations = "int8" if kind == "matmul" and rng.random() < 0.5 else "float"
         try:
-            outputs = session(feeds, key, make_model, threads).run(None, feeds)
+            outputs = session(feeds, key, make_model, threads, activations).run(None, feeds)
             y, error = outputs[0], None
         except Exception as exc:  # onnxruntime's error types
             y, error = None, str(exc).splitlines()[0]
-        label = f"{kind} {problem or 'valid'}"
+        label = f"{kind}{' int8' if activations == 'int8' else ''} {problem or 'valid'}"
         counts[label] = counts.get(label, 0) + 1
         if problem is not None:
             if error is None:
@@ -395,8 +397,10 @@ def main():
             y, ref = np.concatenate([o.reshape(-1) for o in outputs]), np.concatenate([e.reshape(-1) for e in expected])
         elif kind == "matmul":
             tensors = {name: torch.from_numpy(value) for name, value in feeds.items()}
-            ref = q_matmul(tensors["A"].double(), tensors["B"], tensors["scales"].double(), attributes["bits"],
-                           attributes["block_size"]).numpy()
+            a = tensors["A"].double()
+            if activations == "int8" and attributes["block_size"] % 32 == 0:  # 16-column blocks: float
+                a = int8_activations(a).double()
+            ref = q_matmul(a, tensors["B"], tensors["scales"].double(), attributes["bits"], attributes["block_size"]).numpy()
         else:
             ref = reference(feeds, r, bits, block)
         scale = max(float(np.abs(ref).max()), 1.0) if ref.size else 1.0

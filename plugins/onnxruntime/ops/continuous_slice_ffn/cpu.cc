@@ -42,7 +42,7 @@ void GeluTanh(ArrayLike&& a) {
 }
 
 // coverage[i - lo] = (number of the k windows [s, s + r) covering unit i) / k, for i in [lo, hi).
-// Form (docs/spec.md §6.3): the exact count n_i (small integers: exact in float), then
+// Form (docs/reference/spec.md §6.3): the exact count n_i (small integers: exact in float), then
 // n_i * (1/k): equal to n_i / k up to the last bit.
 void Coverage(const int64_t* starts, int64_t k, int64_t r, int64_t lo, int64_t hi, float* coverage) {
   std::fill(coverage, coverage + (hi - lo), 0.0f);
@@ -214,6 +214,9 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 // Rows per work item: fixed blocks of the hidden units, from row 0, whatever the windows, so a
 // token's sums never depend on the tokens beside it.
 constexpr int64_t kItemRows = 256;
+// Beyond this many tokens a call takes the prefill path: the batched one keeps a partial output
+// per token and item (at most this many tokens x H / kItemRows x D floats).
+constexpr int64_t kBatchedMaxTokens = 256;
 
 // A few to a few dozen tokens: per work item, every block of kBlockRows rows is read once (as
 // floats, common/batched.h) for all the tokens whose windows reach into it: their dots, bias,
@@ -310,7 +313,7 @@ template <typename T, class Format>
 Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
   if (s.tokens <= 1 && !ForcedPath()) return Path::kGemv;
   static const PathChoice choice = [&] {
-    const int64_t most = kPathGrid[kPathGridSize - 1];
+    const int64_t most = CalibrationTokens(s.d);
     const Sizes part{0, s.d, s.h, 1, std::min<int64_t>(s.h, 4 * kBlockRows)};
     std::vector<T> x(most * s.d), b_in(s.h), b_out(s.d), y(most * s.d);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
@@ -324,9 +327,10 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
       Sizes sizes = part;
       sizes.tokens = tokens;
       Compute(sizes, x.data(), starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(), inline_for, path);
-    }, [](Path path, int64_t tokens) { return path != Path::kInteger && (path != Path::kGemv || tokens == 1); });
+    }, [](Path path, int64_t tokens) { return path != Path::kInteger && (path != Path::kGemv || tokens == 1); }, most);
   }();
-  return choice.For(s.tokens);
+  const Path path = choice.For(s.tokens);
+  return path == Path::kBatched && s.tokens > kBatchedMaxTokens ? Path::kPrefill : path;
 }
 
 

@@ -27,7 +27,7 @@ __device__ inline float Load(const uint16_t* p, int64_t i) {
 __device__ inline void Store(float* p, int64_t i, float v) { p[i] = v; }
 __device__ inline void Store(uint16_t* p, int64_t i, float v) { reinterpret_cast<__half*>(p)[i] = __float2half(v); }
 
-// (number of the token's windows covering unit i) / k. Form (docs/spec.md §6.3): a per-unit
+// (number of the token's windows covering unit i) / k. Form (docs/reference/spec.md §6.3): a per-unit
 // count over the K windows, one thread per unit, divided by k once.
 __device__ inline float Coverage(const int64_t* starts, int64_t k, int64_t r, int64_t i) {
   int count = 0;

@@ -8,7 +8,7 @@ namespace INFMOE_VARIANT {
 namespace {
 
 // ---- DecoderAttention ---------------------------------------------------------------------------
-// Causal attention over a KV cache (docs/onnxruntime-kernel.md, DecoderAttention): per batch row b
+// Causal attention over a KV cache (docs/reference/ops/DecoderAttention.md): per batch row b
 // and head h, the new keys and values go into present at positions [past_b, past_b + S); query i
 // attends keys j <= past_b + i (j < total_b), scores q . k / sqrt(head_dim) + bias, softmax, times
 // the values. Work items are (row, head) pairs, or (row, head, block of queries) in prefill: each
@@ -78,7 +78,7 @@ void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t di
 // out[c] = sum over j < n of p[j] value j[c], values ld floats apart: per block of up to eight
 // registers of columns (a head_dim of 64 in one), one pass over the keys front to back with the
 // sums in registers (a store and reload of out per key made each key wait for the previous one;
-// blocks of four read each row in two passes, 1.3x slower from memory); narrow blocks split the
+// blocks of four read each row in two passes, slower from memory); narrow blocks split the
 // keys over chains (key j into chain j mod C, added at the end) to hide the FMA latency.
 void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, int64_t dim, float* out) {
   constexpr int W = kNarrow, kUnits = 8;
@@ -113,8 +113,7 @@ void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, 
 
 // Heads narrower than a register (head_dim 8 on AVX-512): W / M keys side by side in each register
 // (a head's cache holds its keys back to back, ld = M), so no lane idles and one fold tree sums
-// twice the keys (12 heads of 8 over 129 keys: 2.2 us above the op's floor, against 3.3 with the
-// paths above).
+// twice the keys (faster than the paths above for a small model's heads).
 // M = head_dim divides W; keys past the last full pass one at a time.
 template <int M>
 void PackedScores(const float* q, const float* keys, int64_t n, float* scores) {

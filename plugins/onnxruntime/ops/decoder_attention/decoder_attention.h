@@ -5,7 +5,7 @@
 
 namespace infmoe {
 
-// infmoe::DecoderAttention (docs/onnxruntime-kernel.md): causal multi-head attention over a KV
+// infmoe::DecoderAttention (docs/reference/ops): causal multi-head attention over a KV
 // cache, com.microsoft GroupQueryAttention's computation for a packed qkv [batch, sequence,
 // 3 heads head_dim] with as many key/value heads as query heads and no rotary embedding. Row b's
 // cache holds past_b = seqlens_k[b] + 1 - sequence positions; the new keys and values are written

@@ -116,7 +116,7 @@ void ComputeMatMul(const MatMulSizes& s, const T* x, const QuantizedTokens* xs, 
 template <int Bits, typename T, bool kInt8>
 Path MatMulPath(const MatMulSizes& s, const QuantRows<Bits, T>& w, int64_t block_size) {
   static const PathChoice choice = [&] {
-    const int64_t most = kPathGrid[kPathGridSize - 1];
+    const int64_t most = CalibrationTokens(std::max(s.k, std::min<int64_t>(s.n, 4 * kBlockRows)));
     const MatMulSizes part{0, s.k, std::min<int64_t>(s.n, 4 * kBlockRows)};
     std::vector<T> x(most * s.k), y(most * part.n);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
@@ -132,7 +132,7 @@ Path MatMulPath(const MatMulSizes& s, const QuantRows<Bits, T>& w, int64_t block
       } else {
         ComputeMatMul(sizes, x.data(), nullptr, w, block_size, y.data(), inline_for, path);
       }
-    }, [](Path path, int64_t) { return kInt8 || path != Path::kInteger; });
+    }, [](Path path, int64_t) { return kInt8 || path != Path::kInteger; }, most);
   }();
   return choice.For(s.tokens);
 }

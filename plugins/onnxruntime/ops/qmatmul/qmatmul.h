@@ -5,7 +5,7 @@
 
 namespace infmoe {
 
-// infmoe::QMatMul (docs/onnxruntime-kernel.md): y[t, j] = x[t, :] . w'[j, :] for a quantized
+// infmoe::QMatMul (docs/reference/ops): y[t, j] = x[t, :] . w'[j, :] for a quantized
 // [n, k] matrix stored as above, each row padded to whole blocks (com.microsoft MatMulNBits'
 // layout: packed [n, blocks * block_size * bits / 8], pad values q = 0). The same
 // decode (few tokens) and prefill paths, every row's sum in a fixed order: bitwise identical for

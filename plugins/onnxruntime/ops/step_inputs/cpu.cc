@@ -1,4 +1,4 @@
-// infmoe::StepInputs (docs/onnxruntime-kernel.md): the onnxruntime target's once-per-step inputs
+// infmoe::StepInputs (docs/reference/ops): the onnxruntime target's once-per-step inputs
 // in one node, where its fallback function takes thirteen standard ops (a decode step pays
 // onnxruntime's dispatch per node). A pass over the mask: compiled once, for the baseline.
 #include <limits>

@@ -5,7 +5,7 @@
 
 namespace infmoe {
 
-// infmoe::StepInputs (docs/onnxruntime-kernel.md): the onnxruntime target's once-per-step inputs
+// infmoe::StepInputs (docs/reference/ops): the onnxruntime target's once-per-step inputs
 // from attention_mask [batch, total] (int64) for a step of `sequence` tokens. Per row, counts = the
 // mask's exclusive cumulative sum: position_ids [batch, sequence] = its last `sequence` values,
 // seqlens_k [batch] = the last index of its largest value (total - 1 for a mask of 0 and 1);

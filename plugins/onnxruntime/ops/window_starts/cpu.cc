@@ -1,4 +1,4 @@
-// infmoe::WindowStarts (docs/onnxruntime-kernel.md): SPEC §3's router and window starts for every
+// infmoe::WindowStarts (docs/reference/ops): SPEC §3's router and window starts for every
 // token in one node, where its fallback function takes ten standard ops (a decode step pays
 // onnxruntime's dispatch per node). A few thousand multiply-adds a token: compiled once, for the
 // baseline, with no CPU variants.

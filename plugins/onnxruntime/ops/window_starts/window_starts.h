@@ -5,7 +5,7 @@
 
 namespace infmoe {
 
-// infmoe::WindowStarts (docs/onnxruntime-kernel.md): per token, SPEC §3's router z_k = mu + softplus(s)
+// infmoe::WindowStarts (docs/reference/ops): per token, SPEC §3's router z_k = mu + softplus(s)
 // eps_k with [mu, s] = x . weight + bias (weight [d, 2]), then starts = min(sigmoid(z) (h - r + 1),
 // h - r) truncated to int64 (INT64_MIN for NaN). eps: k values shared by all tokens, or k per token.
 struct RouterSizes {
