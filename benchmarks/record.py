@@ -2,6 +2,7 @@
 renamed over the old one), with the machine that measured them."""
 
 import datetime
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -18,8 +19,10 @@ def default_path(name: str) -> Path:
 
 
 def machine(threads: Optional[int] = None) -> dict:
-    """CPU, cores, threads, the date and the library versions of this run."""
+    """CPU, cores, threads, the date, the library versions of this run, and the machine's load
+    average (1, 5, 15 minutes) as it ended: how quiet the machine was."""
     env = environment(threads)
+    env["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for package in PEER_PACKAGES:
         try:
             env["versions"][package] = metadata.version(package)

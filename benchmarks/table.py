@@ -65,7 +65,7 @@ def markdown(result: dict, source: str) -> str:
     batches = batch_columns(result)
     batched = {row["batch"]: row for row in result["batched"]}
     header = ([f"{threads} threads"] + [f"decode, past {r['past']}: ms/token" for r in result["decode"]] +
-              [f"{b} sequences: tokens/s" for b in batches] +
+              [f"batched B = {b}: tokens/s" for b in batches] +
               [f"prefill {r['tokens']}: tokens/s" for r in result["prefill"]] + ["peak RSS: MiB"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for contender in result["contenders"]:
@@ -78,7 +78,9 @@ def markdown(result: dict, source: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     machine = result["machine"]
     versions = ", ".join(f"{p} {machine['versions'][p]}" for p in VERSIONS if machine["versions"].get(p))
-    lines += ["", f"{machine['cpu']}, {machine['cores']} cores, {threads} threads; {machine['date'][:10]}; "
+    load = machine.get("load_average")
+    quiet = f" (load average {load[1]:.1f} over the last 5 minutes)" if load else ""
+    lines += ["", f"{machine['cpu']}, {machine['cores']} cores{quiet}, {threads} threads; {machine['date'][:10]}; "
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
                   "a fresh process."]

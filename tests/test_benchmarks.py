@@ -63,6 +63,7 @@ def test_results_carry_the_machine_and_are_written_whole(tmp_path):
     assert saved["benchmark"] == "x" and saved["rows"] == [1, 2]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["ort_intra_op_threads"] == 2
     assert machine["date"][:2] == "20" and machine["versions"]["onnxruntime"] and machine["python"]
+    assert len(machine["load_average"]) == 3
     assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left behind
 
 
