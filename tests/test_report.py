@@ -184,7 +184,10 @@ def test_pipeline_reads_level2_as_advice(setup, tmp_path):
     assert {p["label"] for p in report["recommendation"]["front"]}.isdisjoint({"ort-fallback int4 K=1 quantile"})
     verdict = next(v for v in report["verdicts"] if (v["backend"], v["dtypes"]) == ("ort-fallback", ["int4"]))
     assert verdict["status"] == "over_budget" and "over the accuracy budget at K 1: " in verdict["text"]
-    markdown = write_report(report, tmp_path / "out")["markdown"].read_text()
+    paths = write_report(report, tmp_path / "out")
+    markdown = paths["markdown"].read_text()
+    assert '<span class="verdict pass">PASSED</span> <span class="remark">— int4 over the accuracy budget: ' in \
+        paths["html"].read_text()
     first = markdown.splitlines()[0]
     assert first.startswith("# infmoe-export pipeline: PASSED — int4 over the accuracy budget: ")
     assert ("perplexity +" in first) == (rows["int4"]["perplexity_increase"] > 1e-5)

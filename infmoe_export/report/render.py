@@ -15,7 +15,7 @@ import math
 import string
 from importlib import resources
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import __version__
 from ..errors import InfMoEError
@@ -468,18 +468,23 @@ def sections(report: dict) -> List[Section]:
     return out
 
 
-def headline(report: dict) -> str:
-    """PASSED or FAILED (level 1, and level 2 where it is not advice), and the precisions over the
-    accuracy budget: "PASSED — onnxruntime all-int4 over the accuracy budget: perplexity +7.91% vs
-    float (budget +3.00%) at worst"."""
+def headline_parts(report: dict) -> Tuple[str, Optional[str]]:
+    """(PASSED or FAILED: level 1, and level 2 where it is not advice; the precisions over the
+    accuracy budget, or None): ("PASSED", "onnxruntime all-int4 over the accuracy budget:
+    perplexity +7.91% vs float (budget +3.00%) at worst")."""
     verdict = "PASSED" if report["passed"] else \
         f"FAILED: {len(report['failures'])} backend configuration(s) out of budget"
     over = over_budget(report["parity"])
     if not over:
-        return verdict
+        return verdict, None
     dtypes = sorted({r["dtype"] for r in over}, key=PRECISIONS.index)
-    return (f"{verdict} — {', '.join(exported(report, d) for d in dtypes)} over the accuracy budget: "
-            f"{accuracy_cost(over, report['parity']['settings'])}")
+    return verdict, (f"{', '.join(exported(report, d) for d in dtypes)} over the accuracy budget: "
+                     f"{accuracy_cost(over, report['parity']['settings'])}")
+
+
+def headline(report: dict) -> str:
+    verdict, remark = headline_parts(report)
+    return f"{verdict} — {remark}" if remark else verdict
 
 
 def recommendation_line(report: dict) -> Optional[str]:
@@ -562,7 +567,9 @@ def to_html(report: dict, plot_png: Optional[bytes]) -> str:
     cls = "pass" if report["passed"] else "fail"
     verdict_items = "".join(f'<li class="{v["status"]}">{e(verdict_text(v))}</li>' for v in report["verdicts"])
     best = recommendation_line(report)
-    left = [f'<h1>infmoe-export {e(report["kind"])} <span class="verdict {cls}">{e(headline(report))}</span></h1>',
+    verdict, remark = headline_parts(report)
+    remark = f' <span class="remark">— {e(remark)}</span>' if remark else ""
+    left = [f'<h1>infmoe-export {e(report["kind"])} <span class="verdict {cls}">{e(verdict)}</span>{remark}</h1>',
             f'<ul class="verdicts">{verdict_items}</ul>']
     if report["export"]:
         left.append(f'<p class="note">{e(export_line(report))}</p>')
