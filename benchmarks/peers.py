@@ -71,19 +71,6 @@ class Plan:
 QUICK = Plan(precisions=("all-int4",), ks=(BATCHED_K,), llama_sizes=("Small",), llama_types=("Q4_0",),
              pasts=(128,), batches=(1, 4), prefills=(128,), steps=3)
 
-# The goals against the peers, each (what, ours, peer or None, measurement, at least): measurement is
-# ("decode", past), ("batched", B) or ("prefill", tokens); without a peer, a goal on the curve.
-OURS_K2, OURS_K8 = "ours all-int4 K=2", "ours all-int4 K=8"
-SMALL_Q4, MEDIUM_Q4 = "llama.cpp Small Q4_0", "llama.cpp Medium Q4_0"
-PEER_GOALS = [
-    ("batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0", OURS_K2, SMALL_Q4, ("decode", 128), 1.3),
-    ("batched decode B=16: ours K=2 all-int4 vs llama.cpp Small Q4_0", OURS_K2, SMALL_Q4, ("batched", 16), 2.0),
-    ("prefill 512: ours K=2 all-int4 vs llama.cpp Small Q4_0", OURS_K2, SMALL_Q4, ("prefill", 512), 1.2),
-    ("prefill 512: ours K=8 all-int4 vs llama.cpp Medium Q4_0", OURS_K8, MEDIUM_Q4, ("prefill", 512), 2.5),
-]
-NO_CLIFF = 0.95   # each B's tokens/s at least this much of the best smaller B's
-B16_OVER_B1 = 3.0
-
 
 def ours_name(precision: str, k: int) -> str:
     return f"ours {precision} K={k}"
@@ -94,6 +81,19 @@ def llama_name(size: str, file_type: str) -> str:
 
 
 NBITS_NAME = "onnxruntime MatMulNBits Medium int4"
+
+# The goals against the peers, each (what, ours, peer, measurement, at least ours / peer):
+# measurement is ("decode", past), ("batched", B) or ("prefill", tokens), compared in tokens/s.
+OURS_K2, OURS_K8 = ours_name("all-int4", 2), ours_name("all-int4", 8)
+SMALL_Q4, MEDIUM_Q4 = llama_name("Small", "Q4_0"), llama_name("Medium", "Q4_0")
+PEER_GOALS = [
+    ("batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0", OURS_K2, SMALL_Q4, ("decode", 128), 1.3),
+    ("batched decode B=16: ours K=2 all-int4 vs llama.cpp Small Q4_0", OURS_K2, SMALL_Q4, ("batched", 16), 2.0),
+    ("prefill 512: ours K=2 all-int4 vs llama.cpp Small Q4_0", OURS_K2, SMALL_Q4, ("prefill", 512), 1.2),
+    ("prefill 512: ours K=8 all-int4 vs llama.cpp Medium Q4_0", OURS_K8, MEDIUM_Q4, ("prefill", 512), 2.5),
+]
+NO_CLIFF = 0.95   # each B's tokens/s at least this much of the best smaller B's
+B16_OVER_B1 = 3.0
 
 
 @dataclasses.dataclass
