@@ -63,12 +63,14 @@ from infmoe_export.errors import InfMoEError  # noqa: E402
 from infmoe_export.quant import BITS, QuantizedWeight, check_block_size, n_blocks, packed_columns  # noqa: E402
 from infmoe_trt import kernel  # noqa: E402
 
+from . import shapes  # noqa: E402
+
 device = "cpu" if args.interpret else "cuda"
 if not args.interpret and not torch.cuda.is_available():
     print("benchmarks.triton_kernel: no CUDA GPU visible to torch (this benchmark needs one; "
           "use --interpret --tiny for a CPU smoke test of its logic)", file=sys.stderr)
     sys.exit(2)
-D, H, R = (24, 96, 24) if args.tiny else (768, 6144, 1536)
+D, H, R = (24, 96, 24) if args.tiny else (shapes.D, shapes.H, shapes.R)
 KS = args.ks
 WEIGHTS = args.weights.split(",")
 if set(WEIGHTS) - {"float", *BITS}:
