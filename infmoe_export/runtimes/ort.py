@@ -57,16 +57,17 @@ FORCE_SPINNING_STOP = "session.force_spinning_stop"
 def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool = True,
                    providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
                    options: Optional[ort.SessionOptions] = None, stop_spinning: bool = False,
-                   activations: str = "float") -> ort.InferenceSession:
+                   activations: Optional[str] = None) -> ort.InferenceSession:
     """An InferenceSession for an exported model: the kernel when asked for and installed, the
     fallback function otherwise; providers default to the best installed ones. activations:
     the quantized ops' ("float", SPEC §6 level 1, or "int8": integer dot products, judged at
-    level 2; docs/guide/quantization.md). stop_spinning:
+    level 2; docs/guide/quantization.md; None: as options say, else float). stop_spinning:
     the pool's threads sleep as soon as a run returns (FORCE_SPINNING_STOP), for sessions that
     take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
         model = ExportedModel.read(model)
     options = options or ort.SessionOptions()
+    activations = activations or ort_kernel.activations_of(options)
     _matmulnbits_accuracy(options, activations)
     if stop_spinning:
         options.add_session_config_entry(FORCE_SPINNING_STOP, "1")

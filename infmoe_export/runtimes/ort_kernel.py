@@ -75,12 +75,21 @@ ACTIVATIONS = "infmoe.activations"
 ACTIVATION_KINDS = ("float", "int8")
 
 
-def register(session_options, providers=(), activations: str = "float") -> bool:
+def activations_of(session_options) -> str:
+    """The quantized ops' activations these options ask for: their ACTIVATIONS entry, else float."""
+    try:
+        return session_options.get_session_config_entry(ACTIVATIONS)
+    except RuntimeError:  # not set
+        return "float"
+
+
+def register(session_options, providers=(), activations: Optional[str] = None) -> bool:
     """Register the kernel on an onnxruntime.SessionOptions, for a session with these providers
     (names or (name, options) pairs; with CUDA's, the CPU-only ops are left to their functions)
-    and these activations of the quantized ops ("float" or "int8": set before registering, which
-    reads it). False when the library is absent or does not load (said once per process): the
-    model then runs on its fallback function."""
+    and these activations of the quantized ops ("float" or "int8"; None: as the options say,
+    else float; the library reads them when registered). False when the library is absent or
+    does not load (said once per process): the model then runs on its fallback function."""
+    activations = activations or activations_of(session_options)
     if activations not in ACTIVATION_KINDS:
         raise InfMoEError(f"activations must be one of {', '.join(ACTIVATION_KINDS)}, got {activations!r}")
     session_options.add_session_config_entry(ACTIVATIONS, activations)
