@@ -59,6 +59,15 @@ struct QuantizedTokens {
   }
   const int8_t* Group(int64_t t, int64_t g) const { return &q[(t * groups + g) * kGroup]; }
 
+#if defined(__AVX2__)
+  // int4 rows' offset per lane of a group: their nibbles are u = q + 8, so a lane's sum of u . qx
+  // is 8 times its qx (pairs of pairs, as vpmaddubsw and vpmaddwd add them) too many.
+  __m256i Offset(int64_t t, int64_t g) const {
+    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Group(t, g)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), qx), _mm256_set1_epi16(1));
+  }
+#endif
+
   // The tokens as floats [tokens, d]: qx times its group's scale (the integer dots' operands).
   std::vector<float> Dequantized(int64_t tokens, int64_t d) const {
     std::vector<float> out(tokens * d);
@@ -73,21 +82,20 @@ struct QuantizedTokens {
 };
 
 #if defined(__AVX2__)
-// A group of a row as 16-bit q in two registers: columns in QuantizedTokens' order.
-template <int Bits>
-inline void WeightGroup(const uint8_t* src, __m256i* lo, __m256i* hi) {
-  if constexpr (Bits == 4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    const __m128i even = _mm_sub_epi8(_mm_and_si128(bytes, mask), eight);
-    const __m128i odd = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight);
-    *lo = _mm256_cvtepi8_epi16(even), *hi = _mm256_cvtepi8_epi16(odd);
-  } else {
-    const __m256i bytes = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
-                                           _mm256_set1_epi8(static_cast<char>(0x80)));
-    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
-    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-  }
+// An int8 row's group as 16-bit q in two registers (columns in order): vpmaddwd's operands, exact
+// for any stored byte (vpmaddubsw's 16-bit pair sums could saturate at 255 x 127).
+inline void WeightGroup8(const uint8_t* src, __m256i* lo, __m256i* hi) {
+  const __m256i bytes = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
+                                         _mm256_set1_epi8(static_cast<char>(0x80)));
+  *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+  *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+}
+// An int4 row's group as its 32 stored nibbles u = q + 8, one a byte: the even columns, then the
+// odd ones (QuantizedTokens' order). vpmaddubsw takes them unsigned: pair sums of at most
+// 2 x 15 x 127, no saturation.
+inline __m256i WeightGroup4(const uint8_t* src) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), mask = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
 }
 #endif
 
@@ -107,21 +115,37 @@ void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>&
   for (int t = 0; t < Tt; ++t)
     for (int j = 0; j < Jr; ++j) acc[t][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i xl[Tt], xh[Tt];
-    for (int t = 0; t < Tt; ++t) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(t0 + t, g)));
-      xl[t] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
-      xh[t] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-    }
-    for (int j = 0; j < Jr; ++j) {
-      const auto row = w.At(lo + j);
-      __m256i wl, wh;
-      WeightGroup<Bits>(row.q + g * kGroupBytes<Bits>, &wl, &wh);
-      const float ws = ToFloat(row.scale[g / per_block]);
+    if constexpr (Bits == 4) {
+      __m256i qx[Tt];
+      for (int t = 0; t < Tt; ++t) qx[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(t0 + t, g)));
+      for (int j = 0; j < Jr; ++j) {
+        const auto row = w.At(lo + j);
+        const __m256i u = WeightGroup4(row.q + g * kGroupBytes<Bits>);
+        const float ws = ToFloat(row.scale[g / per_block]);
+        for (int t = 0; t < Tt; ++t) {
+          const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qx[t]), _mm256_set1_epi16(1)),
+                                               x.Offset(t0 + t, g));
+          const __m256 s = _mm256_set1_ps(ws * x.scale[(t0 + t) * groups + g]);
+          acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
+        }
+      }
+    } else {
+      __m256i xl[Tt], xh[Tt];
       for (int t = 0; t < Tt; ++t) {
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[t]), _mm256_madd_epi16(wh, xh[t]));
-        const __m256 s = _mm256_set1_ps(ws * x.scale[(t0 + t) * groups + g]);
-        acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(t0 + t, g)));
+        xl[t] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+        xh[t] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+      }
+      for (int j = 0; j < Jr; ++j) {
+        const auto row = w.At(lo + j);
+        __m256i wl, wh;
+        WeightGroup8(row.q + g * kGroupBytes<Bits>, &wl, &wh);
+        const float ws = ToFloat(row.scale[g / per_block]);
+        for (int t = 0; t < Tt; ++t) {
+          const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[t]), _mm256_madd_epi16(wh, xh[t]));
+          const __m256 s = _mm256_set1_ps(ws * x.scale[(t0 + t) * groups + g]);
+          acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
+        }
       }
     }
   }
@@ -153,27 +177,31 @@ void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>&
 #endif
 }
 
-// The register blocks: tokens x rows, within the registers (16 on AVX2: 2 x 4 accumulators, the
-// tokens' 16-bit activations, a row's group).
-constexpr int kIntTokens = 2;
-constexpr int kIntRows = 4;
+// The register blocks, tokens x rows, within AVX2's 16 registers: int4 4 x 2 accumulators beside
+// the tokens' bytes; int8 2 x 4 beside their 16-bit activations (two registers a token).
+template <int Bits>
+constexpr int kIntTokens = Bits == 4 ? 4 : 2;
+template <int Bits>
+constexpr int kIntRows = Bits == 4 ? 2 : 4;
 
 template <int Bits, typename T, size_t... I>
 constexpr auto IntDotTable(std::index_sequence<I...>) {
   using Fn = void (*)(const QuantizedTokens&, int64_t, const QuantRows<Bits, T>&, int64_t, int64_t, float*, int64_t);
-  return std::array<Fn, sizeof...(I)>{&IntDotBlock<static_cast<int>(I / kIntRows) + 1, static_cast<int>(I % kIntRows) + 1, Bits, T>...};
+  return std::array<Fn, sizeof...(I)>{&IntDotBlock<static_cast<int>(I / kIntRows<Bits>) + 1,
+                                                   static_cast<int>(I % kIntRows<Bits>) + 1, Bits, T>...};
 }
 
 // dots[t ldd + j] = token t . row lo + j for t < tokens, j < rows; block_size a multiple of 32.
 template <int Bits, typename T>
 void IntDots(const QuantizedTokens& x, int64_t tokens, const QuantRows<Bits, T>& w, int64_t block_size, int64_t lo,
              int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kBlocks = IntDotTable<Bits, T>(std::make_index_sequence<kIntTokens * kIntRows>());
-  for (int64_t t = 0; t < tokens; t += kIntTokens) {
-    const int64_t tt = std::min<int64_t>(kIntTokens, tokens - t);
-    for (int64_t j = 0; j < rows; j += kIntRows) {
-      const int64_t jr = std::min<int64_t>(kIntRows, rows - j);
-      kBlocks[(tt - 1) * kIntRows + (jr - 1)](x, t, w, block_size / kGroup, lo + j, dots + t * ldd + j, ldd);
+  constexpr int kTokens = kIntTokens<Bits>, kRows = kIntRows<Bits>;
+  static constexpr auto kBlocks = IntDotTable<Bits, T>(std::make_index_sequence<kTokens * kRows>());
+  for (int64_t t = 0; t < tokens; t += kTokens) {
+    const int64_t tt = std::min<int64_t>(kTokens, tokens - t);
+    for (int64_t j = 0; j < rows; j += kRows) {
+      const int64_t jr = std::min<int64_t>(kRows, rows - j);
+      kBlocks[(tt - 1) * kRows + (jr - 1)](x, t, w, block_size / kGroup, lo + j, dots + t * ldd + j, ldd);
     }
   }
 }
