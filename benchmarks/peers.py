@@ -46,7 +46,16 @@ from typing import Callable, Dict, List, Optional
 from . import arguments, record
 
 PRECISIONS = {"fp32": {}, "all-int8": {"dtype": "int8", "quantize_other": "int8"},
-              "all-int4": {"dtype": "int4", "quantize_other": "int4"}}
+              "all-int4": {"dtype": "int4", "quantize_other": "int4"},
+              # the same all-int4 file, run with the kernel's int8 activations (infmoe.activations)
+              "all-int4-a8": {"dtype": "int4", "quantize_other": "int4", "activations": "int8"}}
+DEFAULT_PRECISIONS = ("fp32", "all-int8", "all-int4")
+
+
+def precision_options(precision: str) -> tuple:
+    """(export_onnx's keyword arguments, the kernel's activations) of one of PRECISIONS."""
+    options = dict(PRECISIONS[precision])
+    return options, options.pop("activations", "float")
 KS = (1, 2, 8)
 BATCHED_K = 2
 LLAMA_SIZES = ("Small", "Medium")
@@ -56,7 +65,7 @@ LLAMA_TYPES = ("F16", "Q8_0", "Q4_0")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one run measures."""
-    precisions: tuple = tuple(PRECISIONS)
+    precisions: tuple = DEFAULT_PRECISIONS
     ks: tuple = KS
     llama_sizes: tuple = LLAMA_SIZES
     llama_types: tuple = LLAMA_TYPES
@@ -125,13 +134,19 @@ def file_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-def onnxruntime_contender(name, runtime, model, precision, k, exported, threads, batched: bool) -> Contender:
+def onnxruntime_contender(name, runtime, model, precision, k, exported, threads, batched: bool,
+                          activations: str = "float") -> Contender:
+    import onnxruntime as ort
+
     from infmoe_export.report.memory import measure_child
+    from infmoe_export.runtimes.ort_kernel import ACTIVATIONS
 
     from .sessions import Decoder
     from .shapes import PAST
 
-    decoder = Decoder(exported, threads)
+    options = ort.SessionOptions()
+    options.add_session_config_entry(ACTIVATIONS, activations)
+    decoder = Decoder(exported, threads, options=options)
     return Contender(name, runtime, model, precision, k, exported.path, decode=decoder.step_at,
                      batched=(lambda past, b: decoder.step_at(past, b)) if batched else None,
                      prefill=decoder.prefill_at,
@@ -339,11 +354,12 @@ def build_contenders(plan: Plan, threads: int, scratch: Path, skip_llama: bool, 
     for precision in plan.precisions:
         for k in plan.ks:
             log(f"exporting ours {precision} K={k}")
+            options, activations = precision_options(precision)
             exported = export_onnx(small, scratch / f"ours_{precision}_k{k}.onnx", k=k, block_size=BLOCK,
-                                   target="onnxruntime", **PRECISIONS[precision])
+                                   target="onnxruntime", **options)
             contenders.append(onnxruntime_contender(ours_name(precision, k), "onnxruntime + infmoe kernel",
                                                     "∞-MoE, GPT-2 Small size", precision, k, exported, threads,
-                                                    batched=k == BATCHED_K))
+                                                    batched=k == BATCHED_K, activations=activations))
     del small
     if plan.matmulnbits:
         log("exporting the dense Medium MatMulNBits model")
@@ -372,13 +388,34 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=arguments.count(1, 1000), default=5, help="interleaved rounds per measurement")
     parser.add_argument("--threads", type=arguments.thread_count, default=2, help="threads of every runtime")
     parser.add_argument("--skip-llama", action="store_true", help="leave llama.cpp out")
+    # Not given: the plan's (the full one's, or --quick's).
+    parser.add_argument("--precisions", type=names(PRECISIONS), default=argparse.SUPPRESS,
+                        help=f"ours, comma-separated, of {', '.join(PRECISIONS)} (default: {', '.join(DEFAULT_PRECISIONS)})")
+    parser.add_argument("--ks", type=arguments.ks, default=argparse.SUPPRESS,
+                        help=f"ours' expert budgets (default: {', '.join(map(str, KS))})")
+    parser.add_argument("--llama-types", type=names(LLAMA_TYPES), default=argparse.SUPPRESS,
+                        help=f"llama.cpp's, of {', '.join(LLAMA_TYPES)} (default: all)")
     parser.add_argument("--json", type=Path, default=record.default_path("peers"), help="where to write the results")
     return parser.parse_args(argv)
+
+
+def names(known):
+    """Comma-separated names, each one of `known`."""
+    def parse(text: str) -> tuple:
+        chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = [n for n in chosen if n not in known]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"expected names of {', '.join(known)}, got {text!r}")
+        return chosen
+
+    return parse
 
 
 def main(argv=None):
     args = parse_args(argv)
     plan = QUICK if args.quick else Plan()
+    chosen = {field: tuple(getattr(args, field)) for field in ("precisions", "ks", "llama_types") if hasattr(args, field)}
+    plan = dataclasses.replace(plan, **chosen)
     from .shapes import SMALL
 
     check_memory(plan, SMALL)

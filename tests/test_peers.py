@@ -231,9 +231,11 @@ def test_our_contender_times_decode_batches_and_prefill(tmp_path, precision):
     if custom_op_library() is None:
         pytest.skip("the compiled kernel is not installed")
     config = InfMoEConfig(**{**TINY, "d_model": 32, "n_head": 2})  # int4 blocks of 32 along D
+    options, activations = peers.precision_options(precision)
     exported = export_onnx(random_model(config), tmp_path / "tiny.onnx", k=2, block_size=32, target="onnxruntime",
-                           **peers.PRECISIONS[precision])
-    contender = peers.onnxruntime_contender("tiny", "onnxruntime", "tiny", precision, 2, exported, 1, batched=True)
+                           **options)
+    contender = peers.onnxruntime_contender("tiny", "onnxruntime", "tiny", precision, 2, exported, 1, batched=True,
+                                            activations=activations)
     decode = contender.decode(8)
     first = decode()["logits"].copy()
     np.testing.assert_array_equal(decode()["logits"], first)  # at exactly past 8 again, not 9
