@@ -575,6 +575,7 @@ def test_parity_command_passes_and_writes_report(setup, tmp_path, run_cli):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     validate_report(report)
     assert report["passed"] and {r["k"] for r in report["parity"]["results"]} == {1}
+    assert report["export"] == {"fp32": "portable fp32", "int4": "portable int4 experts"}  # the models given
     assert "report.html" in out
 
 
@@ -661,8 +662,10 @@ def test_bench_exports_with_quantize_other(setup, tmp_path, run_cli, monkeypatch
     assert [(m.path.name, m.io.quantized) for m in exported] == [
         ("model_k1_quantile_fp32.onnx", []),
         ("model_k1_quantile_int4_other-int4.onnx", ["experts", "attention", "embedding"])]
-    rows = json.loads((tmp_path / "bench.json").read_text())["bench"]["results"]
-    assert sorted(r["dtype"] for r in rows) == ["fp32", "int4"]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert sorted(r["dtype"] for r in report["bench"]["results"]) == ["fp32", "int4"]
+    target = exported[0].io.target
+    assert report["export"] == {"fp32": f"{target} fp32", "int4": f"{target} all-int4"}
     status, _, err = run_cli("bench", "--checkpoint", str(setup["root"] / "checkpoint"), "--quantize-other", "int8")
     assert status == 1 and "--quantize-other int8 applies to int8 / int4 models" in err
     assert len(err.strip().splitlines()) == 1

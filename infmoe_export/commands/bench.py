@@ -17,7 +17,7 @@ from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_
                        positive_ints)
 from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
 from ..report.memory import run_memory
-from ..report.render import build_report, print_summary, validate_report
+from ..report.render import build_report, export_labels, print_summary, validate_report
 from ..report.timing import REL_CI, environment
 from ..runtimes import registry
 
@@ -84,7 +84,8 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dep
         memory = run_memory(torch_model, models, backends=backends, checkpoint=checkpoint, past=past, threads=threads,
                             engines=engines) if memory else None
     report = build_report("bench", "infmoe-export " + " ".join(sys.argv[1:]), str(checkpoint or DEFAULT_CHECKPOINT),
-                          torch_model.config.to_dict(), environment(threads), bench=bench, memory=memory)
+                          torch_model.config.to_dict(), environment(threads), bench=bench, memory=memory,
+                          export=export_labels(models))
     validate_report(report)
     print_summary(console, report)
     if json_path:

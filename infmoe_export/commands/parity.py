@@ -11,7 +11,7 @@ from ..errors import InfMoEError
 from ..export import export_many
 from ..options import SEED, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options, positive_ints
 from ..files import locked, output_dir
-from ..report.render import build_report, print_summary, write_report
+from ..report.render import build_report, export_labels, print_summary, write_report
 from ..report.timing import environment
 from ..runtimes import registry
 from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_START_AGREEMENT,
@@ -78,7 +78,8 @@ def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block
                             min_start_agreement=min_start_agreement, max_ppl_increase=max_ppl_increase / 100,
                             min_top1=min_top1, seed=seed)
         report = build_report("parity", "infmoe-export " + " ".join(sys.argv[1:]), str(source),
-                              torch_model.config.to_dict(), environment(), parity=parity)
+                              torch_model.config.to_dict(), environment(), parity=parity,
+                              export=export_labels(models))
         paths = write_report(report, out)
     print_summary(console, report)
     console.print(f"report: {paths['html']}", markup=False)
