@@ -10,12 +10,11 @@ Data is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=
 """
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from conftest import rerun_forcing_path
 from test_ort_kernel import make_starts, relative_error
 from test_ort_kernel import make_feeds as float_feeds, reference as float_reference, session as float_session
 from test_ort_qkernel import make_feeds as q_feeds, q_model, reference as q_reference, session
@@ -108,10 +107,5 @@ def test_batched_row_does_not_depend_on_its_batch_mates(library, bits):
 
 @pytest.mark.parametrize("path", ["gemv", "batched", "prefill"])
 def test_each_path(library, path):
-    """The tests above again with each path forced (the path is read once per process)."""
-    if "INFMOE_PATH" in os.environ:
-        pytest.skip("already running one path")
-    env = dict(os.environ, INFMOE_PATH=path, INFMOE_TEST_SEED=str(SEED))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "not each_path"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, f"{path}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+    """The tests above again with each path forced."""
+    rerun_forcing_path(__file__, path, SEED)

@@ -6,8 +6,6 @@ Data is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=
 """
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -17,6 +15,7 @@ import torch
 from infmoe_export.errors import InfMoEError
 from infmoe_export.quant import int8_activations, q_matmul
 from infmoe_export.runtimes import ort_kernel
+from conftest import rerun_forcing_path
 from test_ort_kernel import relative_error
 from test_ort_qmatmul import make_feeds, model
 
@@ -98,10 +97,5 @@ def test_bad_option_value_in_the_session_is_refused_by_the_library(library):
 
 @pytest.mark.parametrize("path", ["integer", "batched", "prefill", "gemv"])
 def test_each_path(library, path):
-    """The tests above again with each path forced (the path is read once per process)."""
-    if "INFMOE_PATH" in os.environ:
-        pytest.skip("already running one path")
-    env = dict(os.environ, INFMOE_PATH=path, INFMOE_TEST_SEED=str(SEED))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "not each_path"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, f"{path}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+    """The tests above again with each path forced."""
+    rerun_forcing_path(__file__, path, SEED)
