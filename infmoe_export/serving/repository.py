@@ -100,7 +100,7 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
                 names.append(name)
         front = stage / cfg.FRONT_MODEL
         (front / "1").mkdir(parents=True)
-        source = resources.files("infmoe_export.serving").joinpath("triton_model.py").read_text()
+        source = resources.files("infmoe_export.serving").joinpath("tritonserver_model.py").read_text()
         atomic_write(front / "1" / "model.py", source)
         _write_config(front, cfg.front_model_config(routes, front_io, executor, default_precision=precisions[0]))
         names.insert(0, cfg.FRONT_MODEL)
