@@ -198,8 +198,8 @@ def check_memory(plan: Plan, config) -> None:
     largest B, one KV cache per precision of ours at once (the weights of every export besides)."""
     params = sum(config.n_layer * n for n in (4 * config.d_model ** 2, 2 * config.ffn_hidden * config.d_model)) + \
         config.vocab_size * config.d_model
-    bits = {"fp32": 32, "all-int8": 8, "all-int4": 4}
-    weights = sum(params * bits[p] // 8 for p in plan.precisions) * len(plan.ks)
+    bits = {"fp32": 32, "int8": 8, "int4": 4}
+    weights = sum(params * bits[PRECISIONS[p].get("dtype", "fp32")] // 8 for p in plan.precisions) * len(plan.ks)
     caches = len(plan.precisions) * kv_cache_bytes(config, max(plan.batches))
     available = available_memory_bytes()
     if available is not None and weights + caches > available:
