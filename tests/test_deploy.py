@@ -1,6 +1,6 @@
 """`infmoe-export deploy` on the bundled model with fast settings: the folder it publishes (models
 per K that clients load, the kernel library, the certificate, latency, README), the search for the
-fastest precision within the quality budget, and its failure paths: a bad checkpoint, a budget
+fastest precision within the accuracy budget, and its failure paths: a bad checkpoint, a budget
 no precision meets, an interruption — none of which leaves an output folder."""
 
 import json
@@ -83,7 +83,7 @@ def test_deployed_model_runs(deployed, run_cli):
 
 
 def test_deploy_takes_the_fastest_precision_within_budget(tmp_path, run_cli, monkeypatch):
-    """int4 out of the quality budget (forced): the next precision, int8, is deployed, and the
+    """int4 over the accuracy budget (forced): the next precision, int8, is deployed, and the
     certificate says why int4 was refused."""
     from infmoe_export.verify import parity
 
@@ -92,7 +92,7 @@ def test_deploy_takes_the_fastest_precision_within_budget(tmp_path, run_cli, mon
         ["level 2: forced"] if row["dtype"] == "int4" else budget(row, *limits)))
     status, text, err = run_cli("deploy", "--out", tmp_path / "out", "--k", "1", *FAST)
     assert status == 0, err
-    assert "onnxruntime all-int4: out of the quality budget" in err and "trying the next precision" in err
+    assert "onnxruntime all-int4: over the accuracy budget" in err and "trying the next precision" in err
     certificate = json.loads((tmp_path / "out" / "certificate.json").read_text())
     assert certificate["export"] == "onnxruntime all-int8"
     refused, = certificate["refused"]
@@ -102,7 +102,7 @@ def test_deploy_takes_the_fastest_precision_within_budget(tmp_path, run_cli, mon
 
 
 @pytest.mark.parametrize("patch, args, message", [
-    ("budget_problems", ["--dtype", "int4"], "onnxruntime all-int4 is out of the quality budget: "),
+    ("budget_problems", ["--dtype", "int4"], "onnxruntime all-int4 is over the accuracy budget: "),
     ("polygraphy_passes", ["--dtype", "fp32"], "the ort"),
 ])
 def test_deploy_failing_certificate_writes_nothing(tmp_path, run_cli, monkeypatch, patch, args, message):

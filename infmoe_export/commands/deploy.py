@@ -3,7 +3,7 @@
     OUT/k{K}/            one folder per K in Optimum's layout (export/hf_folder.py): model.onnx, the
                          clients' files, and the kernel library (named in genai_config.json)
     OUT/certificate.json the parity certificate: each model against PyTorch (level 1, the kernel)
-                         and against the float model (level 2, the quality budget), with the
+                         and against the float model (level 2, the accuracy budget), with the
                          files' SHA-256
     OUT/latency.json     batch-1 decode and prefill on this machine, on the deployed backend
     OUT/README.md        how to load it from onnxruntime, Optimum, onnxruntime-genai and Triton
@@ -55,9 +55,9 @@ FASTEST_FIRST = ("int4", "int8", "fp32")  # without --dtype: the first whose cer
 @click.option("--max-windows", type=click.IntRange(min=1), default=8, show_default=True,
               help="Windows of n_positions tokens of validation text for the certificate.")
 @click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
-              help="Quality budget: perplexity increase over the float model, in percent.")
+              help="Accuracy (level-2) budget: perplexity increase over the float model, in percent.")
 @click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
-              help="Quality budget: least share of tokens whose top-1 agrees with the float model's.")
+              help="Accuracy (level-2) budget: least share of tokens whose top-1 agrees with the float model's.")
 @click.option("--budget", "budget_s", type=FiniteFloat(min=0.01), default=BUDGET_S, show_default=True,
               help="Seconds of interleaved timing per latency figure at most.")
 @click.option("--threads", type=THREADS, default=None,
@@ -133,9 +133,9 @@ def build(console, work: Path, torch_model, ks, candidates, backend, library, li
                 break
             refused.append({"export": choice.label, "why": failed})
             if explicit or choice is candidates[-1]:
-                raise InfMoEError(f"{choice.label} is out of the quality budget: {'; '.join(failed)} (raise "
+                raise InfMoEError(f"{choice.label} is over the accuracy budget: {'; '.join(failed)} (raise "
                                   "--max-ppl-increase or lower --min-top1, or choose another --dtype)")
-            console.print(f"{choice.label}: out of the quality budget ({failed[0]}); trying the next precision",
+            console.print(f"{choice.label}: over the accuracy budget ({failed[0]}); trying the next precision",
                           markup=False, highlight=False)
             for k in ks:
                 shutil.rmtree(work / f"k{k}")
