@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts  # noqa: E402
 from infmoe_export.errors import InfMoEError  # noqa: E402
 from infmoe_export.quant import BITS, QuantizedWeight, check_block_size, n_blocks, packed_columns  # noqa: E402
-from infmoe_trt import kernel  # noqa: E402
+from infmoe_trt import triton_kernel  # noqa: E402
 
 from . import shapes  # noqa: E402
 
@@ -123,10 +123,10 @@ class Layer:
 
     def run(self, x, starts, deterministic, check_starts=True):
         if self.bits is None:
-            return kernel.continuous_slice_ffn_triton(x, starts, *self.inputs, R, deterministic=deterministic,
-                                                      check_starts=check_starts)
-        return kernel.q_continuous_slice_ffn_triton(x, starts, *self.inputs, R, self.bits, B,
-                                                    deterministic=deterministic, check_starts=check_starts)
+            return triton_kernel.continuous_slice_ffn_triton(x, starts, *self.inputs, R, deterministic=deterministic,
+                                                             check_starts=check_starts)
+        return triton_kernel.q_continuous_slice_ffn_triton(x, starts, *self.inputs, R, self.bits, B,
+                                                           deterministic=deterministic, check_starts=check_starts)
 
     def dense(self, x, starts):
         """The reference op (dense-masked PyTorch) on the float weights, w' when quantized."""

@@ -325,7 +325,7 @@ def test_aot_impl_returns_ptx_with_tensorrts_arguments_for_the_drivers_ptx_versi
 
 
 def test_compile_ptx_moved_out_of_the_kernel_module():
-    source = ast.parse((ROOT / "plugins/tensorrt/infmoe_trt/kernel.py").read_text())
+    source = ast.parse((ROOT / "plugins/tensorrt/infmoe_trt/triton_kernel.py").read_text())
     defined = {node.name for node in ast.walk(source) if isinstance(node, ast.FunctionDef)}
     assert not defined & {"compile_ptx", "strip_scratch_params"}
     assert callable(trt_compile.compile_ptx) and callable(trt_compile.strip_scratch_params)

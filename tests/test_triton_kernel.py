@@ -13,7 +13,7 @@ from infmoe_export.errors import InfMoEError
 from infmoe_export.model import continuous_slice_ffn
 
 pytest.importorskip("triton")
-from infmoe_trt import kernel
+from infmoe_trt import triton_kernel
 
 
 def make_inputs(lead, H, D, r, K, seed=0):
@@ -30,8 +30,8 @@ def make_inputs(lead, H, D, r, K, seed=0):
 
 def test_columns_mode_is_bitwise_reproducible():
     inputs = make_inputs((3,), 41, 23, 7, 5, seed=5)
-    first = kernel.continuous_slice_ffn_triton(*inputs, 7, deterministic=True)
-    again = kernel.continuous_slice_ffn_triton(*inputs, 7, deterministic=True)
+    first = triton_kernel.continuous_slice_ffn_triton(*inputs, 7, deterministic=True)
+    again = triton_kernel.continuous_slice_ffn_triton(*inputs, 7, deterministic=True)
     assert torch.equal(first, again)
 
 
@@ -39,7 +39,7 @@ def test_does_not_modify_inputs():
     # The split mode accumulates into a copy of b_out, never into b_out itself (one token).
     inputs = make_inputs((1,), 23, 11, 4, 3, seed=6)
     before = [t.clone() for t in inputs]
-    kernel.continuous_slice_ffn_triton(*inputs, 4, deterministic=False)
+    triton_kernel.continuous_slice_ffn_triton(*inputs, 4, deterministic=False)
     assert all(torch.equal(a, b) for a, b in zip(inputs, before))
 
 
@@ -50,8 +50,8 @@ def test_device_kernel_poisons_only_the_bad_token(deterministic):
     H, r = 29, 6
     x, starts, w_in, b_in, w_out, b_out = make_inputs((4,), H, 9, r, 3, seed=8)
     starts[2, 1] = H - r + 1
-    y = kernel.continuous_slice_ffn_triton(x, starts, w_in, b_in, w_out, b_out, r,
-                                           deterministic=deterministic, check_starts=False)
+    y = triton_kernel.continuous_slice_ffn_triton(x, starts, w_in, b_in, w_out, b_out, r,
+                                                  deterministic=deterministic, check_starts=False)
     assert y[2].isnan().all()
     good = [0, 1, 3]
     ref = continuous_slice_ffn(x[good], starts[good], w_in, b_in, w_out, b_out, r)
@@ -61,10 +61,10 @@ def test_device_kernel_poisons_only_the_bad_token(deterministic):
 def test_only_float32_and_float16():
     inputs = [t.double() if t.is_floating_point() else t for t in make_inputs((2,), 23, 11, 4, 3, seed=7)]
     with pytest.raises(InfMoEError, match="X must be float32 or float16"):
-        kernel.continuous_slice_ffn_triton(*inputs, 4)
+        triton_kernel.continuous_slice_ffn_triton(*inputs, 4)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InfMoEError, match="needs CUDA tensors"):
-        kernel.continuous_slice_ffn_triton(*make_inputs((1,), 23, 11, 4, 2), 4)
+        triton_kernel.continuous_slice_ffn_triton(*make_inputs((1,), 23, 11, 4, 2), 4)

@@ -28,7 +28,7 @@ from infmoe_export.runtimes.tensorrt import build, manifest, network, runner
 
 pytest.importorskip("triton")
 from infmoe_trt import compile as trt_compile  # noqa: E402
-from infmoe_trt import descriptors, kernel  # noqa: E402
+from infmoe_trt import descriptors, triton_kernel  # noqa: E402
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 # |y - ref| <= tol * max|ref|: float32 as the float kernel (the same products on the same w');
@@ -88,7 +88,7 @@ def test_kernel_matches_the_level1_reference(shape, bits, block_size, determinis
     lead, H, D, r, K, windows = SHAPES[shape]
     seed = SEED + hash((shape, bits, block_size)) % 1000
     inputs = make_q_inputs(lead, H, D, r, K, bits, block_size, windows=windows, seed=seed)
-    y = kernel.q_continuous_slice_ffn_triton(*inputs, r, bits, block_size, deterministic=deterministic)
+    y = triton_kernel.q_continuous_slice_ffn_triton(*inputs, r, bits, block_size, deterministic=deterministic)
     assert y.shape == inputs[0].shape and y.dtype == torch.float32
     assert_matches_reference(y, inputs, r, bits, block_size, f"{shape} int{bits} B={block_size}")
 
@@ -96,7 +96,7 @@ def test_kernel_matches_the_level1_reference(shape, bits, block_size, determinis
 @pytest.mark.parametrize("bits", [8, 4])
 def test_float16_activations(bits):
     inputs = make_q_inputs((2, 3), 37, 45, 7, 3, bits, 32, dtype=torch.float16, seed=SEED + bits)
-    y = kernel.q_continuous_slice_ffn_triton(*inputs, 7, bits, 32, deterministic=True)
+    y = triton_kernel.q_continuous_slice_ffn_triton(*inputs, 7, bits, 32, deterministic=True)
     assert y.dtype == torch.float16
     assert_matches_reference(y, inputs, 7, bits, 32, f"float16 int{bits}")
 
@@ -106,8 +106,8 @@ def test_swapped_nibbles_are_caught():
     x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out = make_q_inputs(
         (2,), 23, 33, 5, 2, 4, 16, seed=SEED)
     swap = lambda packed: (packed >> 4) | (packed << 4)  # noqa: E731 -- uint8 shifts drop the other nibble
-    y = kernel.q_continuous_slice_ffn_triton(x, starts, swap(w_in_q), w_in_scale, b_in, swap(w_out_q), w_out_scale,
-                                             b_out, 5, 4, 16, deterministic=True)
+    y = triton_kernel.q_continuous_slice_ffn_triton(x, starts, swap(w_in_q), w_in_scale, b_in, swap(w_out_q), w_out_scale,
+                                                    b_out, 5, 4, 16, deterministic=True)
     with pytest.raises(AssertionError, match="max \\|y - ref\\|"):
         assert_matches_reference(y, (x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out), 5, 4, 16,
                                  "swapped")
@@ -118,19 +118,19 @@ def test_bytes_read_as_int8_give_the_same_numbers(bits):
     """TensorRT passes the packed weights as int8 (network.plugin_model retypes them): the device
     kernel reads the same bits either way."""
     inputs = list(make_q_inputs((3,), 31, 27, 6, 2, bits, 16, seed=SEED))
-    H, D, K = kernel.check_q_inputs(*inputs, 6, bits, 16)
-    as_uint8 = kernel._launch(kernel.q_continuous_slice_ffn_kernel, inputs[0], inputs[1], inputs[2:], H, D, K, 6,
-                              True, **kernel.quant_constants(bits, 16))
+    H, D, K = triton_kernel.check_q_inputs(*inputs, 6, bits, 16)
+    as_uint8 = triton_kernel._launch(triton_kernel.q_continuous_slice_ffn_kernel, inputs[0], inputs[1], inputs[2:],
+                                     H, D, K, 6, True, **triton_kernel.quant_constants(bits, 16))
     inputs[2], inputs[5] = inputs[2].view(torch.int8), inputs[5].view(torch.int8)
-    as_int8 = kernel._launch(kernel.q_continuous_slice_ffn_kernel, inputs[0], inputs[1], inputs[2:], H, D, K, 6,
-                             True, **kernel.quant_constants(bits, 16))
+    as_int8 = triton_kernel._launch(triton_kernel.q_continuous_slice_ffn_kernel, inputs[0], inputs[1], inputs[2:],
+                                    H, D, K, 6, True, **triton_kernel.quant_constants(bits, 16))
     assert torch.equal(as_uint8, as_int8)
 
 
 def test_columns_mode_is_bitwise_reproducible():
     inputs = make_q_inputs((3,), 41, 23, 7, 3, 4, 16, seed=SEED)
-    first = kernel.q_continuous_slice_ffn_triton(*inputs, 7, 4, 16, deterministic=True)
-    assert torch.equal(first, kernel.q_continuous_slice_ffn_triton(*inputs, 7, 4, 16, deterministic=True))
+    first = triton_kernel.q_continuous_slice_ffn_triton(*inputs, 7, 4, 16, deterministic=True)
+    assert torch.equal(first, triton_kernel.q_continuous_slice_ffn_triton(*inputs, 7, 4, 16, deterministic=True))
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["columns", "split"])
@@ -138,8 +138,8 @@ def test_device_kernel_poisons_only_the_bad_token(deterministic):
     H, r = 29, 6
     x, starts, *rest = make_q_inputs((4,), H, 9, r, 3, 8, 16, seed=SEED)
     starts[2, 1] = H - r + 1
-    y = kernel.q_continuous_slice_ffn_triton(x, starts, *rest, r, 8, 16, deterministic=deterministic,
-                                             check_starts=False)
+    y = triton_kernel.q_continuous_slice_ffn_triton(x, starts, *rest, r, 8, 16, deterministic=deterministic,
+                                                    check_starts=False)
     assert y[2].isnan().all() and not y[[0, 1, 3]].isnan().any()
     good = [0, 1, 3]
     assert_matches_reference(y[good], (x[good], starts[good], *rest), r, 8, 16, "good tokens")
@@ -171,7 +171,7 @@ def test_bad_input_is_one_line_naming_the_problem(change, bits, block_size, mess
     if change:
         inputs = change(inputs)
     with pytest.raises(InfMoEError, match=message) as raised:
-        kernel.q_continuous_slice_ffn_triton(*inputs, 5, bits, block_size)
+        triton_kernel.q_continuous_slice_ffn_triton(*inputs, 5, bits, block_size)
     assert "\n" not in str(raised.value)
 
 

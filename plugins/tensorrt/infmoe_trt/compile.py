@@ -20,7 +20,7 @@ from infmoe_export.errors import InfMoEError
 from infmoe_export.quant import Q_OP_TYPE, check_bits, check_block_size
 
 from . import cuda_driver
-from .kernel import (COLUMNS_BLOCK_D, COLUMNS_BLOCK_R, NUM_WARPS, continuous_slice_ffn_kernel,
+from .triton_kernel import (COLUMNS_BLOCK_D, COLUMNS_BLOCK_R, NUM_WARPS, continuous_slice_ffn_kernel,
                      q_continuous_slice_ffn_kernel, quant_constants)
 
 # PTX ISA version of each CUDA 12 release (NVIDIA's PTX ISA "Release History" table): 12.6

@@ -15,7 +15,7 @@ Two implementations, chosen per build by a network flag:
 
 Neither checks the starts' values on the host: TensorRT times plugins on made-up inputs while
 it builds, and a host read would also break CUDA-graph capture. The kernel clamps every start
-to stay inside the weights and marks a token with a start outside [0, H - r] (see kernel.py).
+to stay inside the weights and marks a token with a start outside [0, H - r] (see triton_kernel.py).
 
 TensorRT validates every function's signature when this module is imported: tensors first,
 then the attributes in registration order, then `outputs` and `stream` (impl) or `tactic`
@@ -55,7 +55,7 @@ def _launch_jit(kernel, inputs, output, stream: int, spec: dict, **quant) -> Non
     """The COLUMNS kernel on TensorRT's buffers and stream (needs a CUDA build of torch)."""
     import torch
 
-    from .kernel import NUM_WARPS
+    from .triton_kernel import NUM_WARPS
 
     tokens = inputs[0].numel() // spec["D"]
     if tokens == 0:
@@ -103,7 +103,7 @@ def continuous_slice_ffn_autotune(X: trtp.TensorDesc, starts: trtp.TensorDesc, w
 def continuous_slice_ffn_jit(X: trtp.Tensor, starts: trtp.Tensor, w_in: trtp.Tensor, b_in: trtp.Tensor,
                              w_out: trtp.Tensor, b_out: trtp.Tensor, slice_width: int, activation: str,
                              outputs: Tuple[trtp.Tensor], stream: int) -> None:
-    from .kernel import continuous_slice_ffn_kernel
+    from .triton_kernel import continuous_slice_ffn_kernel
 
     inputs = (X, starts, w_in, b_in, w_out, b_out)
     spec = descriptors.specialisation([tuple(t.shape) for t in inputs], slice_width)
@@ -147,7 +147,7 @@ def q_continuous_slice_ffn_jit(X: trtp.Tensor, starts: trtp.Tensor, w_in_q: trtp
                                b_in: trtp.Tensor, w_out_q: trtp.Tensor, w_out_scale: trtp.Tensor, b_out: trtp.Tensor,
                                slice_width: int, activation: str, bits: int, block_size: int,
                                outputs: Tuple[trtp.Tensor], stream: int) -> None:
-    from .kernel import q_continuous_slice_ffn_kernel
+    from .triton_kernel import q_continuous_slice_ffn_kernel
 
     inputs = (X, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_scale, b_out)
     spec = descriptors.specialisation([tuple(t.shape) for t in inputs], slice_width, bits, block_size)
