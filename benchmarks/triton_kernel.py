@@ -10,8 +10,8 @@ the activations' type), each with float32 and float16 activations.
 
 1. Checks each kernel (both modes) against the reference op on the GPU -- for int8 / int4 the
    level-1 reference, the float op on the dequantized weights w' -- and that the driver loads the
-   PTX the TensorRT AOT plugin bakes into engines (infmoe_trt.compile: this GPU's capability,
-   the PTX ISA version of this driver).
+   PTX the TensorRT AOT plugin bakes into engines (runtimes.tensorrt.plugin.compile: this GPU's
+   capability, the PTX ISA version of this driver).
 2. Times one decode token (batch 1) of a GPT-2-Small-size layer (D 768, H 6144, r 1536) for
    K = 1, 2, 4, 8: the kernel against the dense-masked PyTorch computation (the reference op on
    float weights -- w' for a quantized layer --, all H units). Bandwidth = bytes the op must read
@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from infmoe_export.model import continuous_slice_ffn, quantile_noise, window_starts  # noqa: E402
 from infmoe_export.errors import InfMoEError  # noqa: E402
 from infmoe_export.quant import BITS, QuantizedWeight, check_block_size, n_blocks, packed_columns  # noqa: E402
-from infmoe_trt import triton_kernel  # noqa: E402
+from infmoe_export.runtimes.tensorrt.plugin import triton_kernel  # noqa: E402
 
 from . import shapes  # noqa: E402
 
@@ -179,7 +179,7 @@ def ptx_loads(dtype: str, weights: str) -> str:
     torch's (current) context: '' when the driver accepts it, else the error."""
     import ctypes
 
-    from infmoe_trt.compile import compile_ptx
+    from infmoe_export.runtimes.tensorrt.plugin.compile import compile_ptx
 
     bits = BITS.get(weights)
     compiled = compile_ptx(dtype, H=H, D=D, R=R, K=2, bits=bits, block_size=B if bits else None)

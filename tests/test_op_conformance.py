@@ -221,7 +221,7 @@ def _torch(feeds, r, activation):
 
 def _triton(deterministic, check_starts=True):
     def run(feeds, r, activation):
-        from infmoe_trt import triton_kernel  # imported here: only the Triton rows need triton
+        from infmoe_export.runtimes.tensorrt.plugin import triton_kernel  # imported here: only the Triton rows need triton
         tensors = [torch.from_numpy(feeds[n]) for n in NAMES]
         return triton_kernel.continuous_slice_ffn_triton(*tensors, r, activation, deterministic=deterministic,
                                                          check_starts=check_starts).numpy()
@@ -231,9 +231,9 @@ def _triton(deterministic, check_starts=True):
 def _needs_triton():
     try:
         import triton  # noqa: F401
-        from infmoe_trt import triton_kernel  # noqa: F401
+        from infmoe_export.runtimes.tensorrt.plugin import triton_kernel  # noqa: F401
     except ImportError as error:
-        return f"Triton or infmoe_trt is not importable: {error}"
+        return f"Triton or the Triton kernel is not importable: {error}"
     return None
 
 

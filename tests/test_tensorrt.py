@@ -29,8 +29,8 @@ from infmoe_export.errors import InfMoEError
 from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEConfig, InfMoEGPT
 from infmoe_export.runtimes.tensorrt import availability, build, manifest, network, runner
-from infmoe_trt import compile as trt_compile
-from infmoe_trt import cuda_driver, descriptors
+from infmoe_export.runtimes.tensorrt.plugin import compile as trt_compile
+from infmoe_export.runtimes.tensorrt.plugin import cuda_driver, descriptors
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = InfMoEConfig(vocab_size=256, n_positions=32, d_model=16, n_layer=2, n_head=2, ffn_hidden=37,
@@ -130,16 +130,16 @@ def tensorrt_stub():
 
 @pytest.fixture
 def stub_plugin(monkeypatch):
-    """infmoe_trt.plugin imported against the stand-ins: (tensorrt.plugin stand-in, registered
+    """plugin.register imported against the stand-ins: (tensorrt.plugin stand-in, registered
     functions by plugin id and kind)."""
     trt, trtp = tensorrt_stub()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.delitem(sys.modules, "infmoe_trt.plugin", raising=False)
+    monkeypatch.delitem(sys.modules, "infmoe_export.runtimes.tensorrt.plugin.register", raising=False)
     import importlib
 
-    importlib.import_module("infmoe_trt.plugin")
-    monkeypatch.delitem(sys.modules, "infmoe_trt.plugin")
+    importlib.import_module("infmoe_export.runtimes.tensorrt.plugin.register")
+    monkeypatch.delitem(sys.modules, "infmoe_export.runtimes.tensorrt.plugin.register")
     return trtp, trtp.registered
 
 
@@ -276,11 +276,11 @@ import json, re, subprocess, sys, tempfile
 STUB
 trt, trtp = tensorrt_stub()
 sys.modules["tensorrt"], sys.modules["tensorrt.plugin"] = trt, trtp
-import infmoe_trt.cuda_driver as driver
+import infmoe_export.runtimes.tensorrt.plugin.cuda_driver as driver
 driver.compute_capability = lambda: 90
 driver.driver_cuda_version = lambda: (12, 4)
 from triton.backends.nvidia.compiler import get_ptxas
-import infmoe_trt.plugin
+import infmoe_export.runtimes.tensorrt.plugin.register
 report = {}
 for key, plugin, descs, attributes in CALLS:
     aot = trtp.registered[plugin]["aot_impl"]
@@ -325,7 +325,7 @@ def test_aot_impl_returns_ptx_with_tensorrts_arguments_for_the_drivers_ptx_versi
 
 
 def test_compile_ptx_moved_out_of_the_kernel_module():
-    source = ast.parse((ROOT / "plugins/tensorrt/infmoe_trt/triton_kernel.py").read_text())
+    source = ast.parse((ROOT / "infmoe_export/runtimes/tensorrt/plugin/triton_kernel.py").read_text())
     defined = {node.name for node in ast.walk(source) if isinstance(node, ast.FunctionDef)}
     assert not defined & {"compile_ptx", "strip_scratch_params"}
     assert callable(trt_compile.compile_ptx) and callable(trt_compile.strip_scratch_params)

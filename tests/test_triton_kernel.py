@@ -13,7 +13,7 @@ from infmoe_export.errors import InfMoEError
 from infmoe_export.model import continuous_slice_ffn
 
 pytest.importorskip("triton")
-from infmoe_trt import triton_kernel
+from infmoe_export.runtimes.tensorrt.plugin import triton_kernel
 
 
 def make_inputs(lead, H, D, r, K, seed=0):

@@ -27,8 +27,8 @@ from infmoe_export.quant import QuantizedWeight, dequantized_model, q_continuous
 from infmoe_export.runtimes.tensorrt import build, manifest, network, runner
 
 pytest.importorskip("triton")
-from infmoe_trt import compile as trt_compile  # noqa: E402
-from infmoe_trt import descriptors, triton_kernel  # noqa: E402
+from infmoe_export.runtimes.tensorrt.plugin import compile as trt_compile  # noqa: E402
+from infmoe_export.runtimes.tensorrt.plugin import descriptors, triton_kernel  # noqa: E402
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 # |y - ref| <= tol * max|ref|: float32 as the float kernel (the same products on the same w');

@@ -62,7 +62,7 @@ if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | tee "$LOGS/environment.log"
 fi
 TRT=$("$PY" -c 'from infmoe_export.runtimes.tensorrt import require_tensorrt; print(require_tensorrt())' 2>&1 | tail -n 1)
-GPU=$("$PY" -c 'from infmoe_trt.cuda_driver import *; print(device_name(), compute_capability(), driver_cuda_version())' 2>&1 | tail -n 1)
+GPU=$("$PY" -c 'from infmoe_export.runtimes.tensorrt.plugin.cuda_driver import *; print(device_name(), compute_capability(), driver_cuda_version())' 2>&1 | tail -n 1)
 CUDA_TORCH=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 if [[ "$GPU" == None* ]]; then
     verdict environment FAIL "no NVIDIA GPU through the CUDA driver (libcuda.so.1)"

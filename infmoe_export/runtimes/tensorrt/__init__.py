@@ -2,7 +2,7 @@
 
 `infmoe-export trt` exports (or takes) one ONNX model per (K, precision) without the fallback
 local function, so the parser maps each ContinuousSliceFFN / QContinuousSliceFFN node to the
-plugin of that name (the `infmoe_trt` package), and builds each engine through Polygraphy with
+plugin of that name (`plugin/`), and builds each engine through Polygraphy with
 two optimization profiles (prefill and decode) and one timing cache shared by all builds.
 
     availability  which TensorRT is installed and supported; registering the plugin
@@ -10,6 +10,7 @@ two optimization profiles (prefill and decode) and one timing cache shared by al
     manifest      manifest.json and engine selection by (K, precision)
     build         the build plan, builder configuration and builds
     runner        TrtRunner
+    plugin/       the Triton kernel and the TensorRT plugins it backs
 
 Everything except building and running engines works without TensorRT.
 """

@@ -57,7 +57,7 @@ def require_tensorrt() -> str:
 def register_plugin() -> None:
     """Register `infmoe::ContinuousSliceFFN` with TensorRT (importing the module does it, once)."""
     require_tensorrt()
-    import infmoe_trt.plugin  # noqa: F401
+    from .plugin import register  # noqa: F401
 
 
 def require_cuda_torch() -> None:
@@ -71,6 +71,6 @@ def require_cuda_torch() -> None:
 
 def gpu_name() -> str:
     """Name of the CUDA device TensorRT builds on, from the driver (torch may be a CPU build)."""
-    from infmoe_trt.cuda_driver import device_name
+    from .plugin.cuda_driver import device_name
 
     return device_name() or "unknown"

@@ -1,6 +1,6 @@
-"""ContinuousSliceFFN (docs/spec.md) as one Triton kernel, shared by the TensorRT plugin and PyTorch.
+"""ContinuousSliceFFN (docs/reference/spec.md) as one Triton kernel, shared by the TensorRT plugin and PyTorch.
 
-The algorithm is docs/spec.md's. For every token the kernel visits the union of its K windows
+The algorithm is docs/reference/spec.md's. For every token the kernel visits the union of its K windows
 once: window k's rows are processed by window k only where no earlier window covers them
 ("ownership"), each with weight c_i = n_i / K where n_i counts the windows covering row i. Every
 union row has exactly one owner (the first window covering it) and no other row is owned, so the
@@ -46,13 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-from infmoe_export.errors import InfMoEError
-from infmoe_export.model import GELU_TANH_C, GELU_TANH_CUBIC, check_op_inputs
-from infmoe_export.quant import Q_OP_TYPE, check_q_op_inputs
+from ....errors import InfMoEError
+from ....model import GELU_TANH_C, GELU_TANH_CUBIC, check_op_inputs
+from ....quant import Q_OP_TYPE, check_q_op_inputs
 
 # Fixed launch configuration of the COLUMNS mode (the one baked into TensorRT engines).
 COLUMNS_BLOCK_R, COLUMNS_BLOCK_D, NUM_WARPS = 32, 64, 4
-SPLIT_BLOCK_R, SPLIT_BLOCK_D = 8, 256  # untuned: timed once on an H200, not yet tuned (docs/tensorrt.md)
+SPLIT_BLOCK_R, SPLIT_BLOCK_D = 8, 256  # untuned: timed once on an H200, not yet tuned (docs/design/tensorrt.md)
 # The GELU constants of model.py, as compile-time constants (a jit function reads only constexpr globals).
 _GELU_C = tl.constexpr(GELU_TANH_C)
 _GELU_CUBIC = tl.constexpr(GELU_TANH_CUBIC)
@@ -235,7 +235,7 @@ def _valid_stand_in(starts: torch.Tensor) -> torch.Tensor:
 
 def check_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width: int, activation: str = "gelu_tanh",
                  *, check_starts: bool = True) -> Tuple[int, int, int]:
-    """The op's validation rules (model.check_op_inputs, docs/spec.md) plus the kernel's own
+    """The op's validation rules (model.check_op_inputs, docs/reference/spec.md) plus the kernel's own
     limits (float32/float16, one device, CUDA or the interpreter); returns (H, D, K). Raises
     InfMoEError naming the problem. check_starts=False skips only the start range, leaving it to
     the device kernel (NaN rows), as inside a TensorRT engine; for tests of that path."""
@@ -299,7 +299,7 @@ def quant_constants(bits: int, block_size: int) -> dict:
 def continuous_slice_ffn_triton(x, starts, w_in, b_in, w_out, b_out, slice_width: int,
                                 activation: str = "gelu_tanh", *, deterministic: Optional[bool] = None,
                                 check_starts: bool = True) -> torch.Tensor:
-    """y = ContinuousSliceFFN(x, starts, ...) of docs/spec.md with the Triton kernel.
+    """y = ContinuousSliceFFN(x, starts, ...) of docs/reference/spec.md with the Triton kernel.
 
     deterministic=None picks by shape (use_split); True forces the COLUMNS mode (bitwise
     reproducible, what TensorRT engines run); False forces SPLIT (atomics, fastest at decode).

@@ -9,9 +9,9 @@ agree.
 
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
-from infmoe_export.errors import InfMoEError
-from infmoe_export.model import ACTIVATIONS
-from infmoe_export.quant import Q_OP_TYPE, check_bits, check_block_size, n_blocks, packed_columns
+from ....errors import InfMoEError
+from ....model import ACTIVATIONS
+from ....quant import Q_OP_TYPE, check_bits, check_block_size, n_blocks, packed_columns
 
 FLOAT_TYPES = ("float32", "float16")
 # TensorRT has no uint8 constants, so network.plugin_model retypes the packed uint8 weights to

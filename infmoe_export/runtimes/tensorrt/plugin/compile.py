@@ -16,8 +16,8 @@ pointers are checked unused and removed.
 
 from typing import Optional, Tuple
 
-from infmoe_export.errors import InfMoEError
-from infmoe_export.quant import Q_OP_TYPE, check_bits, check_block_size
+from ....errors import InfMoEError
+from ....quant import Q_OP_TYPE, check_bits, check_block_size
 
 from . import cuda_driver
 from .triton_kernel import (COLUMNS_BLOCK_D, COLUMNS_BLOCK_R, NUM_WARPS, continuous_slice_ffn_kernel,
