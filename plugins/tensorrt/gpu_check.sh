@@ -10,11 +10,13 @@
 # last line is the summary, and the exit status is 0 only when no step failed.
 #
 #   1. environment   GPU, driver, TensorRT version in the supported range (tensorrt>=10.9,<12)
-#   2. kernel        benchmarks/gpu_triton.py: both kernel modes vs the reference on the GPU, float,
-#                    int8 and int4 weights, the AOT PTX loads in this driver, batch-1 decode bandwidth
-#      cuda-kernel   plugins/onnxruntime/cross_test.sh cuda: the C++ driver's cases, the float op's
+#   2. kernel        python -m benchmarks.triton_kernel: both kernel modes vs the reference on the
+#                    GPU, float, int8 and int4 weights, the AOT PTX loads in this driver, batch-1
+#                    decode bandwidth
+#      cuda-kernel   plugins/onnxruntime/tools/cross_test.sh cuda: the C++ driver's cases, the float op's
 #                    also on the GPU (the onnxruntime library's CUDA computation)
-#      cuda-bench    its batch-1 decode against the GPU's copy bandwidth (tests/bench_cuda.cc)
+#      cuda-bench    its batch-1 decode against the GPU's copy bandwidth
+#                    (plugins/onnxruntime/tests/bench_cuda.cc)
 #   3. tests         tests/test_tensorrt.py and tests/test_trt_quant.py, whose engine tests (AOT and
 #                    JIT, prefill + decode vs PyTorch; int8 / int4 vs the dequantized weights) run
 #                    only here
@@ -75,14 +77,14 @@ HAVE_TRT=$([[ "$GPU" != None* && "$TRT" != *rror* ]] && echo 1 || echo 0)
 
 # 2. the Triton kernel on the device
 if [ "$CUDA_TORCH" = 1 ]; then
-    step kernel 1200 "$PY" benchmarks/gpu_triton.py
+    step kernel 1200 "$PY" -m benchmarks.triton_kernel
 else
-    verdict kernel SKIP "torch has no CUDA here: install a CUDA build of torch 2.13 to run benchmarks/gpu_triton.py"
+    verdict kernel SKIP "torch has no CUDA here: install a CUDA build of torch 2.13 to run python -m benchmarks.triton_kernel"
 fi
 
 # 2b. the onnxruntime library's CUDA computation: the C++ driver's cases on the GPU, then its decode
 if command -v nvcc >/dev/null && [[ "$GPU" != None* ]]; then
-    step cuda-kernel 900 env PYTHON="$PY" bash plugins/onnxruntime/cross_test.sh cuda
+    step cuda-kernel 900 env PYTHON="$PY" bash plugins/onnxruntime/tools/cross_test.sh cuda
     step cuda-bench 300 plugins/onnxruntime/build-test-cuda/infmoe_cuda_bench
 else
     for name in cuda-kernel cuda-bench; do verdict $name SKIP "needs nvcc and an NVIDIA GPU"; done
