@@ -72,7 +72,7 @@ GOALS = {"over_roofline_past128_2threads": 1.10, "over_roofline_past512_2threads
 
 def with_fallbacks(exported, path: Path):
     """The onnxruntime target with its DecoderAttention, WindowStarts and StepInputs nodes inlined
-    as their fallback functions (docs/onnxruntime-kernel.md)."""
+    as their fallback functions (docs/reference/ops/)."""
     inlined = [(DOMAIN, op_type) for op_type in (ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE)]
     model = onnx.inliner.inline_selected_functions(onnx.load(str(exported.path)), inlined)
     onnx.save(model, str(path))
@@ -160,7 +160,7 @@ def main():
     sys.stdout.reconfigure(line_buffering=True)  # each row as it is measured, into a pipe or file too
     ks, threads_list = args.k, args.threads
     if custom_op_library() is None:
-        sys.exit("benchmarks.decode: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+        sys.exit("benchmarks.decode: the compiled kernel is not installed (docs/guide/onnxruntime.md)")
     torch.manual_seed(0)
     result = {"goals": GOALS, "config": SMALL.to_dict(), "options": {**vars(args), "json": str(args.json)},
               "decode": []}

@@ -52,7 +52,7 @@ def main():
     ks = args.k
     torch.manual_seed(0)
     if unavailable("ort", None):
-        sys.exit("benchmarks.ort: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+        sys.exit("benchmarks.ort: the compiled kernel is not installed (docs/guide/onnxruntime.md)")
 
     bandwidth = memory_bandwidth()
     print(f"streaming read bandwidth {bandwidth['read_gbs']:.2f} GB/s, copy {bandwidth['copy_gbs']:.2f} GB/s")

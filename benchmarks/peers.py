@@ -422,7 +422,7 @@ def main(argv=None):
     from infmoe_export.runtimes.ort_kernel import custom_op_library
 
     if custom_op_library() is None:
-        sys.exit("benchmarks.peers: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+        sys.exit("benchmarks.peers: the compiled kernel is not installed (docs/guide/onnxruntime.md)")
     sys.stdout.reconfigure(line_buffering=True)
 
     def log(what):

@@ -109,7 +109,7 @@ def main():
     args = parser.parse_args()
     ks = args.k
     if custom_op_library() is None:
-        sys.exit("benchmarks.quant_model: the compiled kernel is not installed (docs/onnxruntime-kernel.md)")
+        sys.exit("benchmarks.quant_model: the compiled kernel is not installed (docs/guide/onnxruntime.md)")
     torch.manual_seed(0)
     bandwidth = MatMulBandwidth(args.threads)
     result = {"goals": GOALS,

@@ -1,4 +1,4 @@
-"""The quality and size figures for docs/quantization.md, on the bundled model.
+"""The quality and size figures for docs/guide/quantization.md, on the bundled model.
 
     .venv/bin/python -m benchmarks.quant_quality [--k 1,2,4,8] [--windows 64] [--json benchmarks/results/quant_quality.json]
 

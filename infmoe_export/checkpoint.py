@@ -16,7 +16,7 @@ from .model import InfMoEConfig, InfMoEGPT
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_CHECKPOINT = Path(__file__).parent / "default_model"
-# Dense models trained by the same command, data, steps and seed (docs/model.md): one with the
+# Dense models trained by the same command, data, steps and seed (docs/guide/model.md): one with the
 # bundled model's active FFN size at K = 1 (H = r), one with its total size (H = 1024).
 BASELINES_DIR = Path(__file__).parent / "baselines"
 

@@ -39,11 +39,11 @@ MAX_K = 65536
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
 # The precision of the expert part (the FFN weights and the op); see exporter.py. int8 and int4
-# store the expert weights for `infmoe::QContinuousSliceFFN` (SPEC §6, docs/quantization.md).
+# store the expert weights for `infmoe::QContinuousSliceFFN` (SPEC §6, docs/guide/quantization.md).
 DTYPES = PRECISIONS
 # The other matrices (attention, the tied embedding / LM head): kept float32 or ONNX QDQ.
 QUANTIZE_OTHER = ("none", "int8", "int4")
-# What the graph is written for (docs/export.md, Targets): standard ops only (portable, tensorrt:
+# What the graph is written for (docs/guide/export.md, The export choice): standard ops only (portable, tensorrt:
 # TensorRT fuses attention itself), or onnxruntime's fused contrib ops with a KV cache that past
 # and present may share in place. Files from before targets are portable.
 TARGETS, DEFAULT_TARGET = ("portable", "onnxruntime", "tensorrt"), "portable"

@@ -104,7 +104,7 @@ class InfMoEConfig:
 
 # GPT-2's tanh GELU, act(a) = 0.5 a (1 + tanh(GELU_TANH_C (a + GELU_TANH_CUBIC a^3))). The one
 # definition of its constants in Python: the fallback ONNX function and the Triton kernel import
-# them; the C++ and CUDA kernels carry the same literals (docs/spec.md §6.5).
+# them; the C++ and CUDA kernels carry the same literals (docs/reference/spec.md §6.5).
 GELU_TANH_C = math.sqrt(2.0 / math.pi)  # 0.7978845608028654
 GELU_TANH_CUBIC = 0.044715
 
@@ -132,7 +132,7 @@ def window_starts(z: torch.Tensor, ffn_hidden: int, slice_width: int) -> torch.T
 def coverage(starts: torch.Tensor, ffn_hidden: int, slice_width: int, dtype=torch.float32) -> torch.Tensor:
     """c_i = n_i / K with n_i = #{k : s_k <= i < s_k + r}, the windows covering unit i; [..., H].
 
-    Form (docs/spec.md §6.3): a difference array. Each window adds +1 at its start and
+    Form (docs/reference/spec.md §6.3): a difference array. Each window adds +1 at its start and
     -1 one past its end; the running sum over units is n_i (exact: small integers in float),
     in O(H + K) per token instead of O(K H). Divided by K once, as the definition says."""
     ones = torch.ones(starts.shape, dtype=dtype, device=starts.device)
@@ -176,7 +176,7 @@ def _shape(tensor) -> list:
 
 
 def check_op_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation="gelu_tanh"):
-    """The op's validation rules (docs/spec.md §6.1), in their order; returns (H, D, K).
+    """The op's validation rules (docs/reference/spec.md §6.1), in their order; returns (H, D, K).
 
     The one Python copy: the reference below and the Triton launcher both call it. Raises
     InfMoEError with one line naming the first rule broken."""
@@ -221,7 +221,7 @@ def check_op_inputs(x, starts, w_in, b_in, w_out, b_out, slice_width, activation
 
 def continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width: int,
                          activation: str = "gelu_tanh") -> torch.Tensor:
-    """The expert part of the ∞-MoE layer, op `infmoe::ContinuousSliceFFN` (docs/spec.md).
+    """The expert part of the ∞-MoE layer, op `infmoe::ContinuousSliceFFN` (docs/reference/spec.md).
 
     Computed in the union/coverage form: every unit's pre-activation is shared by all
     windows that cover it, so y = b_out + sum_i c_i * act(x . w_in[i] + b_in[i]) * w_out[i].

@@ -118,7 +118,7 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
 
             if custom_op_library() is None:
                 note = ("the onnxruntime kernel library is not installed here: the model's infmoe ops run as "
-                        "their fallback functions, slower (docs/onnxruntime-kernel.md)")
+                        "their fallback functions, slower (docs/guide/onnxruntime.md)")
     if deploy == "tensorrt":
         from .runtimes.tensorrt import tensorrt_problem
 

@@ -102,7 +102,7 @@ def pack_blocks(q: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
 
 
 def q_matmul(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    """`infmoe::QMatMul` (docs/onnxruntime-kernel.md): a [..., K] times w'^T, w' [N, K] the
+    """`infmoe::QMatMul` (docs/reference/ops/QMatMul.md): a [..., K] times w'^T, w' [N, K] the
     dequantized weight of pack_blocks' storage."""
     n, blocks, _ = packed.shape
     q = unpack(packed.reshape(n, -1), bits, blocks * block_size)[:, :a.shape[-1]]

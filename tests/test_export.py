@@ -212,7 +212,7 @@ def test_sampled_noise_is_an_input(sampled_k1_nopast, tiny_model):
 
 
 def test_fp16_export(tiny_model, onnx_dir):
-    """fp16 expert part (FFN weights and op), fp32 elsewhere (see docs/export.md). Tolerance:
+    """fp16 expert part (FFN weights and op), fp32 elsewhere (see docs/guide/export.md). Tolerance:
     5e-2 on logits of order 1-10 over tokens whose windows agree, >= 95% of starts agree."""
     path = export_onnx(tiny_model, onnx_dir / "fp16.onnx", k=3, noise="sampled", dtype="fp16").path
     model = onnx.load(str(path))

@@ -10,7 +10,7 @@ import pytest
 import infmoe_export
 
 PACKAGE = Path(infmoe_export.__file__).parent
-# Bottom to top; a part may import its own layer and those below (docs/design.md, "Layout").
+# Bottom to top; a part may import its own layer and those below (docs/design/design.md, "Layout").
 # options: the commands' parsing and export choice, checked against the runtimes (the commands' layer).
 LAYERS = [
     {"errors", "files", "limits", "model", "quant"},

@@ -1,4 +1,4 @@
-"""The exported folder in the ecosystem's own clients (docs/interop.md): Hugging Face Optimum's
+"""The exported folder in the ecosystem's own clients (docs/guide/interop.md): Hugging Face Optimum's
 ORTModelForCausalLM.generate(), transformers' text-generation pipeline on it, onnxruntime-genai's
 generator, greedy tokens identical to `infmoe-export run` (its generate() over OrtRunner), batch
 1 and a left-padded batch of 2; the post-processing recipes; inspect and repair.
@@ -259,7 +259,7 @@ def test_sampled_noise_is_refused_by_the_clients(checkpoint, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# Post-processing recipes (docs/interop.md), each checked against the export's own logits
+# Post-processing recipes (docs/guide/interop.md), each checked against the export's own logits
 
 
 @pytest.fixture(scope="module")

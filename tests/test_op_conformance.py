@@ -1,5 +1,5 @@
 """One conformance table for `infmoe::ContinuousSliceFFN`: every implementation, the same cases,
-the same verdicts (docs/spec.md §6.7).
+the same verdicts (docs/reference/spec.md §6.7).
 
 Implementations (rows of IMPLEMENTATIONS):
 

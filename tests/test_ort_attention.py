@@ -1,4 +1,4 @@
-"""`infmoe::DecoderAttention` (the onnxruntime target's attention, docs/onnxruntime-kernel.md)
+"""`infmoe::DecoderAttention` (the onnxruntime target's attention, docs/reference/ops/DecoderAttention.md)
 against a float64 reference of its definition: the compiled kernel (decode and prefill paths, a
 shared past/present buffer and separate ones), and the fallback function (onnxruntime's
 GroupQueryAttention) that runs without it.

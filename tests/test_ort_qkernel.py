@@ -107,7 +107,7 @@ def test_matches_level_1_reference(library, lead, d, h, r, k, windows, block, bi
 @pytest.mark.parametrize("scale", ["tiny", "huge", "spread"])
 def test_decode_activations_of_any_magnitude(library, bits, scale):
     """AVX-512 decode multiplies int4 rows by x as integers, scaled per 8 columns by a power of two
-    (docs/onnxruntime-kernel.md): x of 1e-30 or 1e30 times the usual, and x spanning 12 orders of
+    (docs/design/kernel.md): x of 1e-30 or 1e30 times the usual, and x spanning 12 orders of
     magnitude within every 8 columns, stay within the float tolerance."""
     rng = np.random.default_rng([SEED, 3, bits])
     feeds = make_feeds(rng, (2,), 301, 211, 50, 2, bits, 32)

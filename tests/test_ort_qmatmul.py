@@ -82,7 +82,7 @@ def test_qmatmul_function_matches_the_reference(lead, k, n, block, bits):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("scale", ["tiny", "huge", "spread"])
 def test_qmatmul_activations_of_any_magnitude(library, bits, scale):
-    """int4 decode takes A as integers scaled per 8 columns (docs/onnxruntime-kernel.md)."""
+    """int4 decode takes A as integers scaled per 8 columns (docs/design/kernel.md)."""
     rng = np.random.default_rng([SEED, 3, bits])
     feeds = make_feeds(rng, (2,), 301, 211, bits, 32)
     factor = {"tiny": 1e-30, "huge": 1e30, "spread": 10.0 ** rng.uniform(-6, 6, feeds["A"].shape)}[scale]

@@ -1,5 +1,5 @@
 """`infmoe::StepInputs` (the onnxruntime target's once-per-step inputs in one node,
-docs/onnxruntime-kernel.md) against a numpy reference: the compiled kernel and the fallback
+docs/reference/ops/StepInputs.md) against a numpy reference: the compiled kernel and the fallback
 function (the thirteen standard ops) that runs without it, on left-padded masks of odd lengths,
 decode and prefill, and masks of other values than 0 and 1 (which both must compute alike). Data
 is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=<n> replays a run).

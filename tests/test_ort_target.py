@@ -1,7 +1,7 @@
-"""Export targets (docs/export.md, Targets): each target's export against the PyTorch reference
-(validate_onnx: a left-padded batch-2 prefill, then a decode step), the onnxruntime target's
-graph, the shared-buffer runner against the plain one, and the clients on the onnxruntime
-target (Optimum, onnxruntime-genai with past_present_share_buffer, Polygraphy)."""
+"""Export targets (docs/guide/export.md, The export choice): each target's export against the
+PyTorch reference (validate_onnx: a left-padded batch-2 prefill, then a decode step), the
+onnxruntime target's graph, the shared-buffer runner against the plain one, and the clients on the
+onnxruntime target (Optimum, onnxruntime-genai with past_present_share_buffer, Polygraphy)."""
 
 import collections
 import json
@@ -77,7 +77,7 @@ def test_each_target_matches_the_reference(model, exports, target):
         assert ops[("", "Concat")] >= 2 * CONFIG.n_layer  # the cache, concatenated each step
 
 
-# The onnxruntime target's nodes (docs/export.md, Targets): every node costs a decode step
+# The onnxruntime target's nodes (docs/guide/export.md, The export choice): every node costs a decode step
 # ~0.3-0.7 µs in onnxruntime, so the graph must not grow back.
 PER_LAYER = {("", "MatMul"): 2, ("infmoe", "DecoderAttention"): 1,
              ("com.microsoft", "SkipLayerNormalization"): 2, ("infmoe", "WindowStarts"): 1,

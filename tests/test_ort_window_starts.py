@@ -1,5 +1,5 @@
 """`infmoe::WindowStarts` (the onnxruntime target's router and window starts in one node,
-docs/onnxruntime-kernel.md) against SPEC §3 computed in float64: the compiled kernel and the
+docs/reference/ops/WindowStarts.md) against SPEC §3 computed in float64: the compiled kernel and the
 fallback function (the standard ops) that runs without it.
 
 A start is floor(sigmoid(z) (H - r + 1)) clamped at H - r: float32 sums in another order may

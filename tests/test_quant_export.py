@@ -1,4 +1,4 @@
-"""int8 / int4 exports (SPEC §6, docs/quantization.md): the QContinuousSliceFFN fallback function
+"""int8 / int4 exports (SPEC §6, docs/guide/quantization.md): the QContinuousSliceFFN fallback function
 against the op's reference on odd shapes, whole exports in stock onnxruntime (no kernel) against
 the level-1 reference, a planted nibble swap, metadata, the CLI's refusals, other tools, and
 the level-2 quality figures."""

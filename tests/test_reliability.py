@@ -1,4 +1,4 @@
-"""Hardening (docs/reliability.md), written as a user would hit each problem: real files, FIFOs,
+"""Hardening (docs/design/reliability.md), written as a user would hit each problem: real files, FIFOs,
 symlinks and device nodes made inside tmp_path, real signals to a child process. Every refusal
 is one line on stderr and a non-zero exit, and leaves what was there untouched."""
 

@@ -1,4 +1,4 @@
-"""Serving on Triton (docs/serving.md): the repository's configs against Triton's schema, and a
+"""Serving on Triton (docs/guide/serving.md): the repository's configs against Triton's schema, and a
 real tritonserver (nvidia-pytriton's binary) on loopback, free ports, always stopped: greedy
 tokens = `infmoe-export run`, separate caches, 4xx for bad requests, dynamic batching under
 load, and recovery when the model's process is killed mid-load."""
@@ -209,7 +209,7 @@ def counts(server, model="infmoe"):
 def test_load_1_4_16_streams_dynamic_batching(server):
     """1, 4 and 16 streams side by side in one run, K mixed per request: none fails or hangs, and
     Triton batches requests of different sequences into one model execution. Throughput ratios
-    are a benchmark's job (`python -m infmoe_export.serving.load`, docs/serving.md), not a test's:
+    are a benchmark's job (`python -m infmoe_export.serving.load`, docs/guide/serving.md), not a test's:
     on a shared 2-core machine they move with the load."""
     rows = []
     for streams in (1, 4, 16):
@@ -298,7 +298,7 @@ def test_cli_serve_and_triton_repo(repository, tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     # serve exits 0; tritonserver's own status is 0, or 1 when a sequence was still open at SIGTERM
-    # (its exit timeout expires; docs/serving.md)
+    # (its exit timeout expires; docs/guide/serving.md)
     assert process.returncode == 0, err
     assert b"stopping: finishing in-flight requests" in err and b"stopped (tritonserver exit status" in err
     user = tmp_path / "mine"

@@ -27,7 +27,8 @@ fastest one for that runtime:
               help="Checkpoint directory (default: the bundled model).")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="A .onnx file, or a folder (any other name) in Optimum's layout for Hugging Face clients and "
-                   "onnxruntime-genai: model.onnx, config.json, tokenizer.json, genai_config.json (docs/interop.md).")
+                   "onnxruntime-genai: model.onnx, config.json, tokenizer.json, genai_config.json "
+                   "(docs/guide/interop.md).")
 @click.option("--k", type=int, default=None, help="Expert budget K (default: the checkpoint's num_samples).")
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
@@ -52,7 +53,7 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quant
         # Without the function only the compiled kernel can run the model.
         if ort_kernel.custom_op_library() is None:
             raise InfMoEError("--no-function models run only with the onnxruntime kernel, which is not installed; "
-                              "install it (docs/onnxruntime-kernel.md) or pass --no-validate")
+                              "install it (docs/guide/onnxruntime.md) or pass --no-validate")
     if out.suffix.lower() != ".onnx":  # a folder: staged beside it, published when complete
         _export_folder(output_dir(out, inputs=[source]), checkpoint, k, noise, no_past, opset, choice,
                        no_function, with_starts, atol, no_validate)

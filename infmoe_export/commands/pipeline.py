@@ -247,7 +247,7 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
         if kernel:
             return "ok", None
         return "ok", ("the onnxruntime kernel is not installed: validated on the fallback function, "
-                      "the ort backend is skipped (docs/onnxruntime-kernel.md)")
+                      "the ort backend is skipped (docs/guide/onnxruntime.md)")
 
     def tensorrt(advance):
         nonlocal engines

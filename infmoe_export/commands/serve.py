@@ -1,4 +1,4 @@
-"""`infmoe-export serve`: run a model repository on the local Triton server (docs/serving.md)."""
+"""`infmoe-export serve`: run a model repository on the local Triton server (docs/guide/serving.md)."""
 
 import shutil
 import signal

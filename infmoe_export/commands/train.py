@@ -33,9 +33,9 @@ from ..train import EVAL_WINDOWS, TRAIN_LOG, TRAINING_NOISE, train_model
 @click.option("--lr", type=FiniteFloat(min=0, min_open=True, max=10), default=3e-3, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--spread-weight", type=FiniteFloat(min=0, max=100), default=0.0, show_default=True,
-              help="Weight of the training-only term that keeps each token's windows apart (docs/model.md).")
+              help="Weight of the training-only term that keeps each token's windows apart (docs/guide/model.md).")
 @click.option("--training-noise", type=click.Choice(TRAINING_NOISE), default="sampled", show_default=True,
-              help="How the K training samples are drawn (docs/model.md).")
+              help="How the K training samples are drawn (docs/guide/model.md).")
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="Torch threads (default: $OMP_NUM_THREADS, else min(4, CPUs)).")
 def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width, num_samples,

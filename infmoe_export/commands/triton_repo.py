@@ -1,4 +1,4 @@
-"""`infmoe-export triton-repo`: a Triton Inference Server model repository (docs/serving.md)."""
+"""`infmoe-export triton-repo`: a Triton Inference Server model repository (docs/guide/serving.md)."""
 
 from pathlib import Path
 

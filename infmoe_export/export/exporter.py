@@ -47,7 +47,7 @@ class _ExportMoE(nn.Module):
 
     dtype is the expert part's precision. The router and everything upstream of it stay fp32
     even in an fp16 export: a start resolves 1 / (H - r + 1) of sigmoid's range (1/4609 at
-    GPT-2 Small size), and fp16 activations upstream move it by whole windows (docs/export.md).
+    GPT-2 Small size), and fp16 activations upstream move it by whole windows (docs/guide/export.md).
 
     With bits (int8/int4 where DecoderIO.experts_in_op) the expert matrices become the uint8
     storage and float32 scales of `infmoe::QContinuousSliceFFN` (SPEC §6); biases stay float32.
@@ -335,7 +335,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     """Export model for expert budget k (default: its num_samples) to path; target: the graph's
     runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py).
     dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
-    quantize_other that of attention and the tied embedding / LM head (docs/quantization.md);
+    quantize_other that of attention and the tied embedding / LM head (docs/guide/quantization.md);
     opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it."""
     decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype,
                            block_size=block_size, quantize_other=quantize_other, target=target)

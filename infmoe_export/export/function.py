@@ -1,4 +1,4 @@
-"""The ONNX local function `infmoe::ContinuousSliceFFN` (docs/spec.md): the op in standard ops only.
+"""The ONNX local function `infmoe::ContinuousSliceFFN` (docs/reference/spec.md): the op in standard ops only.
 
 Every exported model carries it, so a runtime without the compiled kernel still runs the model.
 It is the reference's dense form: all H hidden units, each weighted by its coverage c_i. GELU is
@@ -18,10 +18,10 @@ the first: its numbers are the float function's on w', and its invalid input giv
 (bits, block_size, storage and scale shapes), except w_in's and w_out's storage or scales of
 different widths, which cannot be stacked: onnxruntime fails there, as for unbroadcastable shapes.
 
-`infmoe::QMatMul` (the onnxruntime target's quantized attention and LM head, docs/quantization.md)
+`infmoe::QMatMul` (the onnxruntime target's quantized attention and LM head, docs/guide/quantization.md)
 has onnxruntime's own MatMulNBits as its body: same inputs, attributes and storage, so an
 onnxruntime without our kernel runs exactly the node it would have run without the op.
-`infmoe::DecoderAttention` (the onnxruntime target's attention, docs/onnxruntime-kernel.md) has
+`infmoe::DecoderAttention` (the onnxruntime target's attention, docs/reference/ops/DecoderAttention.md) has
 GroupQueryAttention as its body in the same way, and `infmoe::WindowStarts` (its router and window
 starts in one node) the ten standard ops the target wrote before.
 """
@@ -56,7 +56,7 @@ def ContinuousSliceFFN(X, starts, w_in, b_in, w_out, b_out, slice_width: int, ac
     D = op.Shape(X, start=-1)                                                     # [1]
     r = op.Constant(value_int=slice_width)
 
-    # Validation of the whole call (docs/spec.md §6.1), one boolean. Shapes: the ranks
+    # Validation of the whole call (docs/reference/spec.md §6.1), one boolean. Shapes: the ranks
     # and the dims of starts[:-1], w_in, b_in, w_out, b_out against those X and w_in imply;
     # two int vectors a, b are equal iff |len a - len b| + sum |(a ++ b) - (b ++ a)| = 0.
     lead = op.Shape(X, end=-1)

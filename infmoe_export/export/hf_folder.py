@@ -14,7 +14,7 @@ ecosystem's own clients load it with no hand-written file:
                                      function (onnxruntime-genai loads a custom-op library only
                                      from inside the model folder)
 
-Readings where no client says (docs/interop.md): the model type is "gpt2" because the graph's
+Readings where no client says (docs/guide/interop.md): the model type is "gpt2" because the graph's
 inputs, outputs and cache layout are GPT-2's (Optimum's GPT-2 names, [batch, n_head, past,
 head_dim]) and Optimum, transformers and onnxruntime-genai key their cache handling on it; the
 folder holds no PyTorch weights, so AutoModelForCausalLM cannot load a dense GPT-2 from it by

@@ -1,5 +1,5 @@
 """What an ONNX file holds, against what an infmoe-export model should hold, and the repair of
-what the ecosystem's tools break (docs/interop.md):
+what the ecosystem's tools break (docs/guide/interop.md):
 
 - metadata dropped (graph-surgeon round trips, some converters): recovered from config.json of
   an exported folder, written back by repair;
@@ -124,14 +124,14 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
                                   f"fails with 'not a registered function/op'. Add the function back: {fix}")
         elif not kernel_available:
             found.problems.append("ContinuousSliceFFN without the fallback function: it runs only with the "
-                                  "onnxruntime kernel, which is not installed here (docs/onnxruntime-kernel.md), "
+                                  "onnxruntime kernel, which is not installed here (docs/guide/onnxruntime.md), "
                                   f"or add the function: {fix}")
     if decoder_io is not None and decoder_io.experts_in_op and op_nodes == 0:
         found.problems.append("no ContinuousSliceFFN node: the op was inlined into standard ops (a tool ran it "
                               "through an onnxruntime session without the kernel: quant_pre_process, the "
                               "transformers optimizer at opt_level >= 1, ORT-format conversion). It runs, slower, "
                               "and neither the kernel nor TensorRT's plugin can take it; post-process the export "
-                              "without that step (docs/interop.md)")
+                              "without that step (docs/guide/interop.md)")
     if unnamed:
         found.problems.append(f"{len(unnamed)} weights without a parameter name ({', '.join(unnamed[:3])}, ...): "
                               "re-export with this version")

@@ -1,5 +1,5 @@
 """The onnxruntime target (`infmoe-export onnx --target onnxruntime`): the same model traced
-through onnxruntime's fused contrib ops instead of standard ones (docs/export.md, Targets).
+through onnxruntime's fused contrib ops instead of standard ones (docs/guide/export.md, The export choice).
 
 A traced variant, not a rewrite of the portable graph: `OrtDecoder` runs the reference model's
 own modules (embeddings, LayerNorm weights, the Linear layers, the routers and the exporter's
@@ -11,7 +11,7 @@ expert op, `window_starts` included) but writes each layer as
                                         seqlens_k, total_sequence_length, attention_bias, qkv.bias)
                (the bias added inside: one node fewer a layer; an Add and com.microsoft
                GroupQueryAttention as its fallback function: the nodes onnxruntime runs without
-               our kernel library; docs/onnxruntime-kernel.md)
+               our kernel library; docs/design/kernel.md)
     ln_2, h  = com.microsoft SkipLayerNormalization(attn @ proj, x, ln_2, bias = proj.bias)
     starts   = infmoe::WindowStarts(ln_2, the router's mu and sigma as one [D, 2] matrix
                h.{i}.moe.router.weight, its [2] bias, eps): the router and SPEC §3's starts in one
@@ -146,7 +146,7 @@ class OrtDecoder(nn.Module):
 
 def decoder_attention(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, num_heads,
                       qkv_bias=None):
-    """What infmoe::DecoderAttention computes (docs/onnxruntime-kernel.md), in float64 numpy: the
+    """What infmoe::DecoderAttention computes (docs/reference/ops/DecoderAttention.md), in float64 numpy: the
     reference its kernel and fallback are tested against. qkv_bias (optional) is added to qkv first,
     in float32 as the Add it replaces. Row b's cache holds past_b = seqlens_k[b] + 1 - S positions
     of past (None: no past), then the S new keys and values, zeros after; query i sees keys j <=
@@ -187,7 +187,7 @@ def window_starts_reference(x, weight, bias, eps, ffn_hidden: int, slice_width: 
 
 
 def step_inputs_reference(input_ids, attention_mask):
-    """What infmoe::StepInputs computes (docs/onnxruntime-kernel.md), in numpy: (position_ids,
+    """What infmoe::StepInputs computes (docs/reference/ops/StepInputs.md), in numpy: (position_ids,
     seqlens_k, total_sequence_length, attention_bias). counts = the mask's exclusive cumulative sum
     per row; positions its last `sequence` columns, seqlens_k the last index of its largest value,
     the bias 0 where the mask is nonzero and float32's lowest elsewhere, every query row alike."""

@@ -1,4 +1,4 @@
-"""The integer parts of an int8 / int4 export (SPEC §6, docs/quantization.md).
+"""The integer parts of an int8 / int4 export (SPEC §6, docs/guide/quantization.md).
 
 Expert weights go to `infmoe::QContinuousSliceFFN` as uint8 storage and float32 scales (buffers
 of the traced module, see exporter._ExportMoE), a dense model's too on the onnxruntime target
@@ -10,7 +10,7 @@ quant.py's w' and the graph is otherwise the float graph.
 
 onnxruntime fuses DequantizeLinear + MatMul into MatMulNBits (attention), but not the tied
 embedding: its Gather and the LM head's Transpose + MatMul dequantize all of wte on every run
-(357 ms a decode step at V = 50257 where float32 takes 26, docs/quantization.md). The
+(357 ms a decode step at V = 50257 where float32 takes 26, docs/guide/quantization.md). The
 onnxruntime target therefore stores each such matrix once in MatMulNBits' layout and reads it
 with infmoe::QMatMul (every MatMul: attention and the LM head; its fallback function is
 MatMulNBits itself, our kernel reads at 2.3x MatMulNBits' speed) and com.microsoft

@@ -79,7 +79,7 @@ def why_not(backend: str, model: ExportedModel, engines) -> Optional[str]:
 
 def measure(runner, model: ExportedModel, batch: int, seq: int, past: int, warmup: int, iters: int,
             budget_s: Optional[float] = None) -> dict:
-    """Time one (batch, seq) configuration on an active runner alone (benchmarks/bench_ort.py)."""
+    """Time one (batch, seq) configuration on an active runner alone (benchmarks.ort)."""
     row = blank_row(runner.name, model, batch, seq, past)
     if seq == 1 and not model.io.past:
         return {**row, "reason": NO_PAST}

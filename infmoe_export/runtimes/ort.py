@@ -9,7 +9,7 @@ function made of standard ops.
 A model exported for the onnxruntime target (DecoderIO.shares_cache) runs generation on a
 SharedCache: one past/present buffer of n_positions per layer, bound with IOBinding as both the
 past input and the present output, which GroupQueryAttention appends to in place, so a decode
-step neither allocates nor copies the cache (docs/design.md, Runners).
+step neither allocates nor copies the cache (docs/design/design.md, Layout).
 """
 
 import os
@@ -34,7 +34,7 @@ def default_providers() -> list:
 
 # onnxruntime fuses DequantizeLinear + MatMul (an export's --quantize-other) into MatMulNBits and
 # by default rounds that MatMul's activations to int8 (accuracy level 4): ~1e-3 off the level-1
-# reference (SPEC §6, docs/quantization.md). Level 1 keeps them float32; weights stay 4 / 8 bit.
+# reference (SPEC §6, docs/guide/quantization.md). Level 1 keeps them float32; weights stay 4 / 8 bit.
 MATMULNBITS_ACCURACY = "session.qdq_matmulnbits_accuracy_level"
 
 
@@ -77,7 +77,7 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
     registered = kernel and ort_kernel.register(options, providers, activations)
     if not registered and not model.has_function and model.io.custom_ops:
         raise InfMoEError(f"{model.path} was exported with --no-function and the onnxruntime kernel is not "
-                          "available: install it (docs/onnxruntime-kernel.md) or re-export with the fallback function")
+                          "available: install it (docs/guide/onnxruntime.md) or re-export with the fallback function")
     try:
         return ort.InferenceSession(str(model.path), sess_options=options, providers=providers)
     except Exception as error:  # onnxruntime raises its own exception types

@@ -78,7 +78,7 @@ def unavailable(backend: str, model: ExportedModel, engines: Optional[Path] = No
         from .ort_kernel import custom_op_library
 
         if custom_op_library() is None:
-            return "the compiled kernel is not installed (see docs/onnxruntime-kernel.md)"
+            return "the compiled kernel is not installed (see docs/guide/onnxruntime.md)"
     if backend == "trt":
         from .tensorrt import tensorrt_problem
 

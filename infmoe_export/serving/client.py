@@ -1,6 +1,6 @@
 """A client of the front model with tritonclient (HTTP or gRPC): one request per step of a
 sequence (Triton's sequence_id / sequence_start / sequence_end), the expert budget as the
-request parameter `k`. Used by the tests, the load test and docs/serving.md."""
+request parameter `k`. Used by the tests, the load test and docs/guide/serving.md."""
 
 import itertools
 import os

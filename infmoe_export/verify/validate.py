@@ -43,7 +43,7 @@ from ..runtimes.torch_runner import TorchRunner
 from .quality import Agreement, float_reference, starts_session
 
 # fp32: float32 rounding through the layers is ~1e-6; 1e-4 is the project's bound. fp16 (the
-# expert part, docs/export.md): 11-bit products reach ~1e-2 on logits of order 1-10.
+# expert part, docs/guide/export.md): 11-bit products reach ~1e-2 on logits of order 1-10.
 # int8 / int4: activations are float32 and the reference has the same w', so fp32's bound.
 DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2, "int8": 1e-4, "int4": 1e-4}
 # How far sigmoid(z) may move between backends: ~100 float32 ulps at 0.5; for fp16 exports

@@ -8,7 +8,7 @@
 //   infmoe_cuda_bench        (built by cross_test.sh cuda; needs a CUDA GPU)
 //
 // Bytes a call must read: the union of its windows' rows of w_in and w_out, b_in over those rows,
-// x, b_out and y (benchmarks/gpu_triton.py's count, so the two compare). Copy bandwidth counts the
+// x, b_out and y (benchmarks.triton_kernel's count, so the two compare). Copy bandwidth counts the
 // bytes read and written. The weights are kept in enough copies, used in turn, that every call
 // reads them from HBM, not from the L2 the previous call filled.
 #include <cuda_fp16.h>
