@@ -126,12 +126,13 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         x, y = random_batch(train_ids, batch_size, length, data_generator)
-        with router_entropies(model) as entropies:
+        # Gradients whatever the caller's mode (a caller inside torch.no_grad, say).
+        with torch.enable_grad(), router_entropies(model) as entropies:
             eps = training_noise(noise, (*x.shape, config.num_samples), noise_generator)
             logits = model(x, expert_noise=eps).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        spread = torch.stack([e.mean() for e in entropies]).mean() if entropies else None
-        objective = loss - spread_weight * spread if spread is not None and spread_weight else loss
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            spread = torch.stack([e.mean() for e in entropies]).mean() if entropies else None
+            objective = loss - spread_weight * spread if spread is not None and spread_weight else loss
         optimizer.zero_grad(set_to_none=True)
         objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -246,3 +246,14 @@ def test_stratified_training_noise_puts_one_sample_in_each_stratum():
     assert abs(sampled.mean().item()) < 0.1 and not torch.equal(torch.floor(torch.special.ndtr(sampled.double()) * k), stratum)
     with pytest.raises(InfMoEError, match="training noise"):
         training_noise("quantile", (1, 1, 1), generator)
+
+
+def test_training_takes_gradients_inside_a_caller_without_them():
+    """train_model learns even when its caller has gradients off (torch.no_grad around it)."""
+    config = InfMoEConfig(**TINY)
+    blob = bytes(range(256)) * 8
+    val = data.windows(data.encode(blob[-200:]), config.n_positions)
+    with torch.no_grad():
+        _, log = train_model(config, data.encode(blob[:-200]), val, steps=3, batch_size=2, lr=1e-2, seed=0,
+                             eval_every=3)
+    assert len(log) == 3 and all(math.isfinite(r["loss"]) for r in log)

@@ -10,10 +10,10 @@ quant.py's w' and the graph is otherwise the float graph.
 
 onnxruntime fuses DequantizeLinear + MatMul into MatMulNBits (attention), but not the tied
 embedding: its Gather and the LM head's Transpose + MatMul dequantize all of wte on every run
-(357 ms a decode step at V = 50257 where float32 takes 26, docs/guide/quantization.md). The
+(many times a float32 step at GPT-2's vocabulary, docs/guide/quantization.md). The
 onnxruntime target therefore stores each such matrix once in MatMulNBits' layout and reads it
 with infmoe::QMatMul (every MatMul: attention and the LM head; its fallback function is
-MatMulNBits itself, our kernel reads at 2.3x MatMulNBits' speed) and com.microsoft
+MatMulNBits itself; our kernel reads faster: python -m benchmarks.qmatmul) and com.microsoft
 GatherBlockQuantized (the embedding): same w'.
 """
 
