@@ -84,6 +84,9 @@ def markdown(result: dict, source: str) -> str:
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
                   "a fresh process."]
+    if any(c["name"].split()[1].endswith("-a8") for c in result["contenders"] if c["name"].startswith("ours")):
+        lines.append("`-a8`: the same all-int4 file run with the kernel's int8 activations (session option "
+                     "`infmoe.activations = int8`).")
     if result["options"].get("quick"):
         lines.append("A `--quick` run: few configurations.")
     if result["skipped"]:
