@@ -75,12 +75,12 @@ ACTIVATIONS = "infmoe.activations"
 ACTIVATION_KINDS = ("float", "int8")
 
 
-def activations_of(session_options) -> str:
-    """The quantized ops' activations these options ask for: their ACTIVATIONS entry, else float."""
+def activations_of(session_options, default: Optional[str] = "float") -> Optional[str]:
+    """The quantized ops' activations these options ask for: their ACTIVATIONS entry, else default."""
     try:
         return session_options.get_session_config_entry(ACTIVATIONS)
     except RuntimeError:  # not set
-        return "float"
+        return default
 
 
 def register(session_options, providers=(), activations: Optional[str] = None) -> bool:
@@ -89,10 +89,12 @@ def register(session_options, providers=(), activations: Optional[str] = None) -
     and these activations of the quantized ops ("float" or "int8"; None: as the options say,
     else float; the library reads them when registered). False when the library is absent or
     does not load (said once per process): the model then runs on its fallback function."""
-    activations = activations or activations_of(session_options)
+    chosen = activations_of(session_options, default=None)
+    activations = activations or chosen or "float"
     if activations not in ACTIVATION_KINDS:
         raise InfMoEError(f"activations must be one of {', '.join(ACTIVATION_KINDS)}, got {activations!r}")
-    session_options.add_session_config_entry(ACTIVATIONS, activations)
+    if activations != chosen:  # onnxruntime warns when an entry is set twice
+        session_options.add_session_config_entry(ACTIVATIONS, activations)
     if any((p if isinstance(p, str) else p[0]) == "CUDAExecutionProvider" for p in providers):
         session_options.add_session_config_entry(CPU_ONLY_OPS, "0")
     library = custom_op_library()
