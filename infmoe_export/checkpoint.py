@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from .errors import InfMoEError
 from .files import atomic_write, staged_dir
 from .limits import MAX_CONFIG_BYTES, check_file_size
-from .model import InfMoEConfig, InfMoEGPT
+from .model import InfMoEGPT, config_from_dict, model_for
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -27,29 +27,52 @@ def bundled_baselines() -> List[Path]:
         return []
     return sorted(p for p in BASELINES_DIR.iterdir() if (p / CONFIG_FILE).is_file())
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names
-TENSORS_PER_MODEL, TENSORS_PER_LAYER = 4, 16  # SPEC §2's table
+TENSORS_PER_MODEL = 4  # SPEC §2's table
 
 
-def expected_shapes(config: InfMoEConfig) -> dict:
-    """Every tensor name of SPEC §2 and its shape."""
-    V, P, D, H = config.vocab_size, config.n_positions, config.d_model, config.ffn_hidden
+def ffn_shapes(config) -> dict:
+    """The FFN tensors of one layer, named below its 'h.{i}.' prefix, and their shapes."""
+    D, H = config.d_model, config.ffn_hidden
+    if config.model_type == "moe-gpt2":
+        E, h = config.num_experts, config.expert_hidden
+        return {"moe.router.weight": [E, D], "moe.w_in": [E, h, D], "moe.b_in": [E, h],
+                "moe.w_out": [E, D, h], "moe.b_out": [E, D]}
+    return {"moe.router.mu.weight": [1, D], "moe.router.mu.bias": [1],
+            "moe.router.sigma.weight": [1, D], "moe.router.sigma.bias": [1],
+            "moe.w_in": [H, D], "moe.b_in": [H], "moe.w_out": [H, D], "moe.b_out": [D]}
+
+
+def layer_shapes(config) -> dict:
+    """Every tensor of one layer, named below its 'h.{i}.' prefix, and its shape."""
+    D = config.d_model
+    return {"ln_1.weight": [D], "ln_1.bias": [D], "attn.qkv.weight": [3 * D, D], "attn.qkv.bias": [3 * D],
+            "attn.proj.weight": [D, D], "attn.proj.bias": [D], "ln_2.weight": [D], "ln_2.bias": [D],
+            **ffn_shapes(config)}
+
+
+def expected_shapes(config) -> dict:
+    """Every tensor name of SPEC §2 (or of the conventional MoE's table) and its shape."""
+    V, P, D = config.vocab_size, config.n_positions, config.d_model
     shapes = {"wte.weight": [V, D], "wpe.weight": [P, D], "ln_f.weight": [D], "ln_f.bias": [D]}
+    layer = layer_shapes(config)
     for i in range(config.n_layer):
-        p = f"h.{i}."
-        shapes.update({
-            p + "ln_1.weight": [D], p + "ln_1.bias": [D],
-            p + "attn.qkv.weight": [3 * D, D], p + "attn.qkv.bias": [3 * D],
-            p + "attn.proj.weight": [D, D], p + "attn.proj.bias": [D],
-            p + "ln_2.weight": [D], p + "ln_2.bias": [D],
-            p + "moe.router.mu.weight": [1, D], p + "moe.router.mu.bias": [1],
-            p + "moe.router.sigma.weight": [1, D], p + "moe.router.sigma.bias": [1],
-            p + "moe.w_in": [H, D], p + "moe.b_in": [H],
-            p + "moe.w_out": [H, D], p + "moe.b_out": [D],
-        })
+        shapes.update({f"h.{i}.{name}": shape for name, shape in layer.items()})
     return shapes
 
 
-def read_config(path: Union[str, Path]) -> InfMoEConfig:
+ARCH_NAMES = {"infmoe-gpt2": "an ∞-MoE", "moe-gpt2": "a conventional top-k MoE"}
+
+
+def require_arch(model_or_config, model_type: str, what: str) -> None:
+    """Refuse a checkpoint of the other architecture, in one line naming both, before what
+    (a command, an export) reads it as its own."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if config.model_type != model_type:
+        raise InfMoEError(f"{what} needs {ARCH_NAMES[model_type]} checkpoint (model_type {model_type!r}); this one is "
+                          f"{ARCH_NAMES[config.model_type]} (model_type {config.model_type!r})")
+
+
+def read_config(path: Union[str, Path]):
     path = Path(path)
     if not path.is_dir() or not (path / CONFIG_FILE).is_file():
         raise InfMoEError(f"{path} is not a checkpoint: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -60,11 +83,12 @@ def read_config(path: Union[str, Path]) -> InfMoEConfig:
         raise InfMoEError(f"{path / CONFIG_FILE} is not valid JSON: {error}") from None
     except RecursionError:
         raise InfMoEError(f"{path / CONFIG_FILE} is nested too deeply to be a config") from None
-    return InfMoEConfig.from_dict(data)
+    return config_from_dict(data)
 
 
 def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
-    """Load and validate a checkpoint (the bundled default model when path is None), in eval mode."""
+    """Load and validate a checkpoint of either architecture (the bundled default model when path
+    is None), in eval mode: an InfMoEGPT, or its subclass MoEGPT."""
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
     config = read_config(path)
     weights_path = path / WEIGHTS_FILE
@@ -75,7 +99,7 @@ def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             names = set(f.keys())
-            most = (len(names) - TENSORS_PER_MODEL) // TENSORS_PER_LAYER + 1
+            most = (len(names) - TENSORS_PER_MODEL) // len(layer_shapes(config)) + 1
             if config.n_layer > most:
                 raise InfMoEError(f"{weights_path} holds {len(names)} tensors, too few for config.json's n_layer = "
                                   f"{config.n_layer}")
@@ -100,7 +124,7 @@ def load_checkpoint(path: Union[str, Path, None] = None) -> InfMoEGPT:
         if not torch.isfinite(tensor).all():
             raise InfMoEError(f"{weights_path}: tensor {name!r} holds NaN or infinite values")
 
-    model = InfMoEGPT(config)
+    model = model_for(config)
     model.load_state_dict({name: t.float() for name, t in tensors.items()}, strict=True)
     return model.eval()
 

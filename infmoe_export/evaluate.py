@@ -125,3 +125,21 @@ def router_spread(model: InfMoEGPT, windows: Sequence[torch.Tensor], k: Optional
             "token_union": (window_union(per_token, c.slice_width).float().mean() / c.slice_width).item(),
         })
     return stats
+
+
+def expert_load(model: InfMoEGPT, windows: Sequence[torch.Tensor], batch_size: int = 16) -> List[Dict]:
+    """Per layer of a conventional MoE, over all tokens: each expert's share of the tokens' top_k
+    choices (1 / E each when balanced), and the largest share."""
+    c = model.config
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(c.n_layer, c.num_experts)
+    with torch.no_grad():
+        for run in batches(windows, batch_size):
+            experts = model(torch.stack([windows[i] for i in run]), return_starts=True).starts
+            for layer, chosen in enumerate(experts):
+                counts[layer] += torch.bincount(chosen.flatten(), minlength=c.num_experts).float()
+    model.train(was_training)
+    shares = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+    return [{"layer": layer, "expert_share": row.tolist(), "top_expert_share": row.max().item()}
+            for layer, row in enumerate(shares)]

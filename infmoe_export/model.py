@@ -25,8 +25,62 @@ ACTIVATIONS = ("gelu_tanh",)
 # Config
 
 
+class _DecoderConfig:
+    """What both architectures' configs share: the attention stack's keys, their checks, JSON."""
+
+    def _check(self, int_keys, model_type: str, ffn_checks) -> None:
+        """The checks in the order a user meets them; ffn_checks(self) checks the FFN's own keys."""
+        for key in int_keys:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InfMoEError(f"config key {key!r} must be a positive integer, got {value!r}")
+        if self.model_type != model_type:
+            raise InfMoEError(f"config key 'model_type' must be {model_type!r}, got {self.model_type!r}")
+        if self.d_model % self.n_head:
+            raise InfMoEError(f"config key 'd_model' ({self.d_model}) must be divisible by "
+                              f"'n_head' ({self.n_head})")
+        ffn_checks()
+        if self.activation not in ACTIVATIONS:
+            raise InfMoEError(f"config key 'activation' must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.tokenizer != "bytes":
+            raise InfMoEError(f"config key 'tokenizer' must be 'bytes', got {self.tokenizer!r}")
+        if self.vocab_size < 256:
+            raise InfMoEError(f"config key 'vocab_size' must be >= 256 for the byte tokenizer, "
+                              f"got {self.vocab_size}")
+        eps = self.layer_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise InfMoEError(f"config key 'layer_norm_eps' must be a float in (0, 1), got {eps!r}")
+        check_fits(4 * self.parameter_count(), f"a model of this config ({self.parameter_count():,} parameters)")
+
+    def _shared_parameter_count(self, ffn_per_layer: int) -> int:
+        """Embeddings, final LayerNorm, and per layer two LayerNorms, attention and the FFN's own."""
+        V, P, D, L = self.vocab_size, self.n_positions, self.d_model, self.n_layer
+        per_layer = 4 * D + (3 * D * D + 3 * D) + (D * D + D) + ffn_per_layer
+        return V * D + P * D + 2 * D + L * per_layer
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        if not isinstance(data, dict):
+            raise InfMoEError("config.json must hold a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise InfMoEError(f"config.json has unknown key {unknown[0]!r}")
+        for name, field in fields.items():
+            if name not in data and field.default is dataclasses.MISSING:
+                raise InfMoEError(f"config.json is missing required key {name!r}")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
-class InfMoEConfig:
+class InfMoEConfig(_DecoderConfig):
     vocab_size: int
     n_positions: int
     d_model: int
@@ -41,61 +95,94 @@ class InfMoEConfig:
     model_type: str = "infmoe-gpt2"
 
     def __post_init__(self):
-        for key in ("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden",
-                    "slice_width", "num_samples"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InfMoEError(f"config key {key!r} must be a positive integer, got {value!r}")
-        if self.model_type != "infmoe-gpt2":
-            raise InfMoEError(f"config key 'model_type' must be 'infmoe-gpt2', got {self.model_type!r}")
-        if self.d_model % self.n_head:
-            raise InfMoEError(f"config key 'd_model' ({self.d_model}) must be divisible by "
-                              f"'n_head' ({self.n_head})")
-        if self.slice_width > self.ffn_hidden:
-            raise InfMoEError(f"config key 'slice_width' ({self.slice_width}) must be at most "
-                              f"'ffn_hidden' ({self.ffn_hidden})")
-        if self.activation not in ACTIVATIONS:
-            raise InfMoEError(f"config key 'activation' must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.tokenizer != "bytes":
-            raise InfMoEError(f"config key 'tokenizer' must be 'bytes', got {self.tokenizer!r}")
-        if self.vocab_size < 256:
-            raise InfMoEError(f"config key 'vocab_size' must be >= 256 for the byte tokenizer, "
-                              f"got {self.vocab_size}")
-        eps = self.layer_norm_eps
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
-            raise InfMoEError(f"config key 'layer_norm_eps' must be a float in (0, 1), got {eps!r}")
-        check_fits(4 * self.parameter_count(), f"a model of this config ({self.parameter_count():,} parameters)")
+        def ffn_checks():
+            if self.slice_width > self.ffn_hidden:
+                raise InfMoEError(f"config key 'slice_width' ({self.slice_width}) must be at most "
+                                  f"'ffn_hidden' ({self.ffn_hidden})")
+
+        self._check(("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden", "slice_width",
+                     "num_samples"), "infmoe-gpt2", ffn_checks)
 
     def parameter_count(self) -> int:
         """Parameters of the model, from the config alone (SPEC §2's tensor table)."""
-        V, P, D, H, L = self.vocab_size, self.n_positions, self.d_model, self.ffn_hidden, self.n_layer
-        per_layer = 4 * D + (3 * D * D + 3 * D) + (D * D + D) + 2 * (D + 1) + 2 * H * D + H + D
-        return V * D + P * D + 2 * D + L * per_layer
+        D, H = self.d_model, self.ffn_hidden
+        return self._shared_parameter_count(2 * (D + 1) + 2 * H * D + H + D)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+    def default_k(self) -> int:
+        """The expert budget K a forward uses when none is given."""
+        return self.num_samples
 
     @property
     def is_dense(self) -> bool:
         """slice_width == ffn_hidden: every window is the whole FFN, an ordinary GPT-2 MLP."""
         return self.slice_width == self.ffn_hidden
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "InfMoEConfig":
-        if not isinstance(data, dict):
-            raise InfMoEError("config.json must hold a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise InfMoEError(f"config.json has unknown key {unknown[0]!r}")
-        for name, field in fields.items():
-            if name not in data and field.default is dataclasses.MISSING:
-                raise InfMoEError(f"config.json is missing required key {name!r}")
-        return cls(**data)
+ROUTER_SOFTMAX = ("selected", "all")
+
+
+@dataclass(frozen=True)
+class MoEConfig(_DecoderConfig):
+    """The conventional top-k MoE decoder (docs/reference/spec.md, "Conventional MoE"): the same
+    attention stack, and per layer E experts, each a GPT-2 FFN of ffn_hidden / E units."""
+    vocab_size: int
+    n_positions: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    ffn_hidden: int
+    num_experts: int
+    top_k: int
+    router_softmax: str
+    activation: str = "gelu_tanh"
+    layer_norm_eps: float = 1e-5
+    tokenizer: str = "bytes"
+    model_type: str = "moe-gpt2"
+
+    def __post_init__(self):
+        def ffn_checks():
+            if self.top_k > self.num_experts:
+                raise InfMoEError(f"config key 'top_k' ({self.top_k}) must be at most "
+                                  f"'num_experts' ({self.num_experts})")
+            if self.ffn_hidden % self.num_experts:
+                raise InfMoEError(f"config key 'num_experts' ({self.num_experts}) must divide "
+                                  f"'ffn_hidden' ({self.ffn_hidden})")
+            if self.router_softmax not in ROUTER_SOFTMAX:
+                raise InfMoEError(f"config key 'router_softmax' must be one of {ROUTER_SOFTMAX}, "
+                                  f"got {self.router_softmax!r}")
+
+        self._check(("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden", "num_experts",
+                     "top_k"), "moe-gpt2", ffn_checks)
+
+    def parameter_count(self) -> int:
+        D, H, E = self.d_model, self.ffn_hidden, self.num_experts
+        return self._shared_parameter_count(E * D + 2 * H * D + H + E * D)
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden units of one expert, ffn_hidden / num_experts."""
+        return self.ffn_hidden // self.num_experts
+
+    @property
+    def default_k(self) -> int:
+        """The expert budget: every token runs its top_k experts, always."""
+        return self.top_k
+
+
+CONFIGS = {"infmoe-gpt2": InfMoEConfig, "moe-gpt2": MoEConfig}
+
+
+def config_from_dict(data: dict):
+    """The config of either architecture, by its 'model_type' (absent: ∞-MoE, as before there
+    were two)."""
+    if not isinstance(data, dict):
+        raise InfMoEError("config.json must hold a JSON object")
+    model_type = data.get("model_type", "infmoe-gpt2")
+    if model_type not in CONFIGS:
+        raise InfMoEError(f"config key 'model_type' must be one of {', '.join(map(repr, CONFIGS))}, "
+                          f"got {model_type!r}")
+    return CONFIGS[model_type].from_dict(data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,6 +368,68 @@ class InfMoE(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# The conventional top-k MoE layer
+
+
+def top_k_experts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The top_k experts of each token, [..., top_k] int64, best first: logits sorted by
+    (-logit, expert index), so of equal logits the lowest expert index wins. A stable
+    descending sort keeps equal logits in index order; torch.topk promises no order for ties."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
+
+
+def routing_weights(logits: torch.Tensor, experts: torch.Tensor, router_softmax: str) -> torch.Tensor:
+    """The weight of each selected expert, [..., top_k]. 'selected': softmax over the selected
+    logits (Mixtral; they sum to 1). 'all': softmax over all E logits, the selected
+    probabilities as they are (Switch; at top_k = 1 the weight still carries the router's
+    gradient, where the softmax over one logit is a constant 1)."""
+    if router_softmax == "selected":
+        return torch.softmax(logits.gather(-1, experts), dim=-1)
+    if router_softmax == "all":
+        return torch.softmax(logits, dim=-1).gather(-1, experts)
+    raise InfMoEError(f"router_softmax must be one of {ROUTER_SOFTMAX}, got {router_softmax!r}")
+
+
+class TopKMoE(nn.Module):
+    """E experts, each a GPT-2 FFN of ffn_hidden / E units, and a linear router without bias.
+
+    Weights are stored per expert in the layout of onnxruntime's com.microsoft MoE op:
+    w_in [E, h, D] (fc1_experts_weights), b_in [E, h], w_out [E, D, h] (fc2_experts_weights),
+    b_out [E, D]; each expert's matrices are those of an nn.Linear."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        E, h, D = config.num_experts, config.expert_hidden, config.d_model
+        self.top_k, self.router_softmax = config.top_k, config.router_softmax
+        self.router = nn.Linear(D, E, bias=False)
+        self.w_in = nn.Parameter(torch.empty(E, h, D))
+        self.b_in = nn.Parameter(torch.zeros(E, h))
+        self.w_out = nn.Parameter(torch.empty(E, D, h))
+        self.b_out = nn.Parameter(torch.zeros(E, D))
+
+    def forward(self, x: torch.Tensor, eps=None):
+        """Returns (y, experts [..., top_k] int64); eps is the ∞-MoE layer's and unused here.
+
+        Each expert runs on the tokens that selected it only; y = sum_k w_k expert_k(x)."""
+        logits = self.router(x)
+        experts = top_k_experts(logits, self.top_k)
+        weights = routing_weights(logits, experts, self.router_softmax)
+        flat_x, flat_experts = x.reshape(-1, x.shape[-1]), experts.reshape(-1, self.top_k)
+        flat_weights = weights.reshape(-1, self.top_k)
+        y = torch.zeros_like(flat_x)
+        for e in range(self.w_in.shape[0]):
+            token, slot = (flat_experts == e).nonzero(as_tuple=True)
+            if token.numel():
+                hidden = gelu_tanh(F.linear(flat_x[token], self.w_in[e], self.b_in[e]))
+                out = F.linear(hidden, self.w_out[e], self.b_out[e])
+                y = y.index_add(0, token, out * flat_weights[token, slot].unsqueeze(-1))
+        return y.reshape(x.shape), experts
+
+
+FFN_OF = {"infmoe-gpt2": InfMoE, "moe-gpt2": TopKMoE}
+
+
+# ---------------------------------------------------------------------------------------------
 # Attention and the decoder
 
 
@@ -312,7 +461,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.moe = InfMoE(config)
+        self.moe = FFN_OF[config.model_type](config)
 
     def forward(self, x, allowed, eps, past):
         a, present = self.attn(self.ln_1(x), allowed, past)
@@ -324,7 +473,7 @@ class Block(nn.Module):
 class Output(NamedTuple):
     logits: torch.Tensor                 # [B, T, V]
     present: tuple                       # per layer (key, value), each [B, n_head, past + T, head_dim]
-    starts: Optional[tuple]              # per layer [B, T, K] int64, when asked for
+    starts: Optional[tuple]              # per layer [B, T, K] int64, when asked for (MoE: the experts)
 
 
 class InfMoEGPT(nn.Module):
@@ -352,7 +501,7 @@ class InfMoEGPT(nn.Module):
             with torch.no_grad():
                 if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
                     p.fill_(1.0)
-                elif p.dim() == 2:
+                elif p.dim() >= 2 and not is_bias(name):
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
                 else:
                     p.zero_()
@@ -367,6 +516,18 @@ class InfMoEGPT(nn.Module):
         if mode == "sampled":
             return torch.randn(batch, seq, k, generator=generator).to(self.wte.weight.device)
         raise InfMoEError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
+
+    def expert_inputs(self, batch: int, seq: int, k: Optional[int], noise: str,
+                      expert_noise: Optional[torch.Tensor], generator: Optional[torch.Generator]):
+        """eps for every layer's router: expert_noise if given, else drawn in the noise mode."""
+        k = self.config.num_samples if k is None else k
+        if not isinstance(k, int) or k < 1:
+            raise InfMoEError(f"expert budget K must be a positive integer, got {k!r}")
+        if expert_noise is None:
+            return self.noise(batch, seq, k, noise, generator)
+        if expert_noise.shape != (batch, seq, k):
+            raise InfMoEError(f"expert_noise must have shape [{batch}, {seq}, {k}], got {list(expert_noise.shape)}")
+        return expert_noise
 
     def forward(
         self,
@@ -384,9 +545,7 @@ class InfMoEGPT(nn.Module):
         past_key_values per layer (key, value); k the expert budget (default num_samples);
         expert_noise [B, T, K] overrides the noise mode (the exported graph's input)."""
         B, T = input_ids.shape
-        k = self.config.num_samples if k is None else k
-        if not isinstance(k, int) or k < 1:
-            raise InfMoEError(f"expert budget K must be a positive integer, got {k!r}")
+        eps = self.expert_inputs(B, T, k, noise, expert_noise, generator)
         past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
         total = past_len + T
         if total > self.config.n_positions:
@@ -396,12 +555,6 @@ class InfMoEGPT(nn.Module):
             attention_mask = torch.ones(B, total, dtype=torch.int64, device=input_ids.device)
         if attention_mask.shape != (B, total):
             raise InfMoEError(f"attention_mask must have shape [{B}, {total}], got {list(attention_mask.shape)}")
-        if expert_noise is None:
-            eps = self.noise(B, T, k, noise, generator)
-        else:
-            if expert_noise.shape != (B, T, k):
-                raise InfMoEError(f"expert_noise must have shape [{B}, {T}, {k}], got {list(expert_noise.shape)}")
-            eps = expert_noise
 
         # Positions count real tokens only, so a left-padded row matches the row run alone.
         keep = attention_mask.to(torch.bool)
@@ -417,3 +570,28 @@ class InfMoEGPT(nn.Module):
             all_starts.append(starts)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied embeddings
         return Output(logits, tuple(presents), tuple(all_starts) if return_starts else None)
+
+
+class MoEGPT(InfMoEGPT):
+    """The conventional top-k MoE decoder: InfMoEGPT's embeddings, attention, cache and tied head,
+    with a TopKMoE FFN per layer. Its router is deterministic, so there is no noise, and its expert
+    budget is top_k: k is refused unless it is None or top_k."""
+
+    def expert_inputs(self, batch, seq, k, noise, expert_noise, generator):
+        top_k = self.config.top_k
+        if k is not None and k != top_k:
+            raise InfMoEError(f"expert budget K = {k!r} does not apply to a conventional MoE: every token runs its "
+                              f"top_k = {top_k} experts")
+        if expert_noise is not None:
+            raise InfMoEError("expert_noise does not apply to a conventional MoE: its router is deterministic")
+        return None
+
+
+def is_bias(name: str) -> bool:
+    """A bias (vector, or one per expert): zero at init and never weight-decayed."""
+    return name.endswith(("bias", ".b_in", ".b_out"))
+
+
+def model_for(config):
+    """A fresh model of config's architecture."""
+    return MoEGPT(config) if isinstance(config, MoEConfig) else InfMoEGPT(config)

@@ -1,6 +1,7 @@
-"""Train an ∞-MoE GPT from scratch on bytes: AdamW, linear warm-up then cosine decay, sampled
-expert noise (the paper's Monte-Carlo estimator), a training-only spread term that keeps each
-token's windows apart, periodic validation loss, an atomic checkpoint."""
+"""Train an ∞-MoE GPT, or the conventional top-k MoE beside it, from scratch on bytes: AdamW,
+linear warm-up then cosine decay, periodic validation loss, an atomic checkpoint. ∞-MoE: sampled
+expert noise (the paper's Monte-Carlo estimator) and a training-only spread term that keeps each
+token's windows apart. Conventional MoE: the Switch load-balancing loss, training-only too."""
 
 import contextlib
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InfMoEError
-from .model import InfMoEConfig, InfMoEGPT
+from .model import InfMoE, InfMoEConfig, InfMoEGPT, TopKMoE, is_bias, model_for, top_k_experts
 
 TRAIN_LOG = "train_log.json"
 # Validation during training uses an evenly spaced subset of windows so it stays cheap;
@@ -28,11 +29,12 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def optimizer_for(model: InfMoEGPT, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """Weight decay on matrices only; never on the router, whose decay would pull every mu
-    towards 0 and so every window towards the middle of H."""
+    """Weight decay on matrices only (not on the conventional MoE's per-expert bias rows); never on
+    the router, whose decay would pull every mu towards 0 and so every window towards the middle
+    of H (and, in the conventional MoE, every token towards equal expert logits)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and ".router." not in name else no_decay).append(p)
+        (decay if p.dim() >= 2 and not is_bias(name) and ".router." not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
@@ -84,7 +86,37 @@ def router_entropies(model: InfMoEGPT):
         collected.append(start_entropy(router.mu(x), F.softplus(router.sigma(x)), z))
 
     handles = [block.moe.router.register_forward_hook(hook) for block in model.h
-               if block.moe.slice_width < block.moe.ffn_hidden]  # a dense layer has no windows
+               if isinstance(block.moe, InfMoE)
+               and block.moe.slice_width < block.moe.ffn_hidden]  # a dense layer has no windows
+    try:
+        yield collected
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch's load-balancing loss of one layer's router logits [..., E]: E * sum_e f_e * P_e,
+    f_e the share of the tokens' top_k choices that went to expert e (no gradient), P_e the mean
+    router probability of e (softmax over all E). 1 when both are uniform, E when one expert
+    takes every token."""
+    E = logits.shape[-1]
+    flat = logits.reshape(-1, E)
+    chosen = F.one_hot(top_k_experts(flat, top_k), E).sum(-2).float()  # [N, E], top_k ones a row
+    share = chosen.mean(0) / top_k
+    return E * (share * torch.softmax(flat, dim=-1).mean(0)).sum()
+
+
+@contextlib.contextmanager
+def router_balance(model: InfMoEGPT):
+    """Collects balance_loss of every conventional-MoE layer during the forwards in this block."""
+    collected: List[torch.Tensor] = []
+    handles = []
+    for block in model.h:
+        if isinstance(block.moe, TopKMoE):
+            top_k = block.moe.top_k
+            handles.append(block.moe.router.register_forward_hook(
+                lambda router, inputs, logits, top_k=top_k: collected.append(balance_loss(logits, top_k))))
     try:
         yield collected
     finally:
@@ -95,11 +127,15 @@ def router_entropies(model: InfMoEGPT):
 def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequence[torch.Tensor], *,
                 steps: int, batch_size: int, lr: float, seed: int, eval_every: int,
                 weight_decay: float = 0.1, warmup: Optional[int] = None, spread_weight: float = 0.0,
-                noise: str = "sampled", on_step: Optional[Callable[[int, float, Optional[float]], None]] = None):
-    """Returns (model in eval mode, log: a list of {step, lr, loss[, spread][, val_loss]} records).
+                noise: str = "sampled", balance_weight: float = 0.01,
+                on_step: Optional[Callable[[int, float, Optional[float]], None]] = None):
+    """Returns (model in eval mode, log: a list of {step, lr, loss[, spread][, balance][, val_loss]}
+    records), for config of either architecture.
 
-    The loss minimised is cross-entropy - spread_weight * mean start entropy (over tokens and
-    layers); the logged `loss` is the cross-entropy alone, comparable across weights."""
+    The loss minimised is cross-entropy - spread_weight * mean start entropy (∞-MoE, over tokens
+    and layers) + balance_weight * mean balance_loss (conventional MoE, over layers); the logged
+    `loss` is the cross-entropy alone, comparable across weights and architectures. noise and
+    spread_weight apply to ∞-MoE only, balance_weight to the conventional MoE only."""
     from .evaluate import window_nll
 
     length = config.n_positions
@@ -107,8 +143,9 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
         raise InfMoEError(f"the training split has {len(train_ids)} bytes; it needs at least "
                           f"n_positions + 1 = {length + 1}")
     torch.manual_seed(seed)
-    model = InfMoEGPT(config)
+    model = model_for(config)
     model.reset_parameters(seed)
+    infmoe = isinstance(config, InfMoEConfig)
     model.train()
     optimizer = optimizer_for(model, lr, weight_decay)
     warmup = max(1, steps // 20) if warmup is None else warmup
@@ -118,7 +155,7 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
     eval_windows = list(val_windows[::stride])[:EVAL_WINDOWS]
 
     def val_loss(windows):
-        total, count = window_nll(model, windows, config.num_samples, "quantile")
+        total, count = window_nll(model, windows, config.default_k, "quantile")
         return total / max(count, 1)
 
     log: List[Dict] = []
@@ -127,12 +164,15 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
             group["lr"] = lr_at(step, steps, lr, warmup)
         x, y = random_batch(train_ids, batch_size, length, data_generator)
         # Gradients whatever the caller's mode (a caller inside torch.no_grad, say).
-        with torch.enable_grad(), router_entropies(model) as entropies:
-            eps = training_noise(noise, (*x.shape, config.num_samples), noise_generator)
+        with torch.enable_grad(), router_entropies(model) as entropies, router_balance(model) as balances:
+            eps = training_noise(noise, (*x.shape, config.num_samples), noise_generator) if infmoe else None
             logits = model(x, expert_noise=eps).logits
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             spread = torch.stack([e.mean() for e in entropies]).mean() if entropies else None
+            balance = torch.stack(balances).mean() if balances else None
             objective = loss - spread_weight * spread if spread is not None and spread_weight else loss
+            if balance is not None and balance_weight:
+                objective = objective + balance_weight * balance
         optimizer.zero_grad(set_to_none=True)
         objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -140,6 +180,8 @@ def train_model(config: InfMoEConfig, train_ids: torch.Tensor, val_windows: Sequ
         record = {"step": step + 1, "lr": optimizer.param_groups[0]["lr"], "loss": loss.item()}
         if spread is not None:
             record["spread"] = spread.item()
+        if balance is not None:
+            record["balance"] = balance.item()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             record["val_loss"] = val_loss(val_windows if step + 1 == steps else eval_windows)
         log.append(record)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config
+from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config, require_arch
 from ..errors import InfMoEError
 from ..files import locked, output_dir, output_file, staged_dir
 from ..export import DEFAULT_OPSET, QDQ_OPSET, export_onnx
@@ -46,7 +46,10 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quant
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
-    choice, = choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size, target)
+    config = read_config(source)
+    # The one place that picks an export by architecture; a conventional MoE has none here yet.
+    require_arch(config, "infmoe-gpt2", "infmoe-export onnx")
+    choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target)
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:

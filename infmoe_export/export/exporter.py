@@ -26,6 +26,7 @@ from torch.export import Dim
 
 from ..contract import (BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel,
                         custom_op_types)
+from ..checkpoint import require_arch
 from ..errors import InfMoEError
 from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise
@@ -336,7 +337,9 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py).
     dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
     quantize_other that of attention and the tied embedding / LM head (docs/guide/quantization.md);
-    opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it."""
+    opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it. ∞-MoE checkpoints only:
+    a conventional MoE is refused in one line (checkpoint.require_arch)."""
+    require_arch(model, "infmoe-gpt2", "the ∞-MoE ONNX export")
     decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype,
                            block_size=block_size, quantize_other=quantize_other, target=target)
     opset = check_opset(resolve_opset(opset, decoder_io, DEFAULT_OPSET))
