@@ -17,11 +17,12 @@ before timing (fp32 to float rounding; the quantized ones differ in how fc2 is b
 
 Timed: a call of a chain of layers (each its own weights, as initializers, the way an export
 writes them; onnxruntime prepacks QMoE's), as many that a batch-1 call reads twice the last-level
-cache (at least 12), cycling over 8 routings, so the weights come from memory, not the cache;
-reported per layer. Batch-1 decode, batched decode (B = 4, 16: one token a sequence) and prefill
-(128, 512 tokens) are all T tokens through each layer. Ours and theirs take turns in every round
-(shuffled order) on one shared intra-op pool; the speed ratio (theirs' time over ours': above 1,
-ours is faster) is the median over rounds of the ratio within each.
+cache (at least 12; prefill, which reads all of a layer's weights, runs the first 12), cycling
+over 8 routings, so the weights come from memory, not the cache; reported per layer. Batch-1
+decode, batched decode (B = 4, 16: one token a sequence) and prefill (128, 512 tokens) are all T
+tokens through each layer. Ours and theirs take turns in every round (shuffled order) on one
+shared intra-op pool; the speed ratio (theirs' time over ours': above 1, ours is faster) is the
+median over rounds of the ratio within each.
 
 What onnxruntime's CPU MoE and QMoE take (read off their schemas and kernels, checked against
 a NumPy reference in tests/test_moe_peer.py), what an export to them writes:
@@ -394,14 +395,22 @@ def main(argv=None):
     print(f"wrote {record.save(args.json, 'moe_peer', results, args.threads)}")
 
 
-def measure(args, results, precision: Precision, pairing: Pairing, tensors, rng):
-    """Both sides' chains of one precision and pairing; the same-function check; every phase."""
-    layers = len(tensors)
+def chains(args, tensors, precision: Precision, pairing: Pairing):
+    """Sessions of ours' chain and of theirs' over these layers (theirs may be refused)."""
     ours = op_session(ours_model(tensors, pairing, precision.bits), args.threads)
+    theirs = lambda: op_session(theirs_model(tensors, pairing, precision.bits, accuracy_level=precision.accuracy_level),
+                                args.threads, kernel=False)
+    return ours, theirs
+
+
+def measure(args, results, precision: Precision, pairing: Pairing, tensors, rng):
+    """Both sides' chains of one precision and pairing; the same-function check; every phase.
+    Prefill reads all of a layer's weights: it runs chains of the first LAYERS layers only."""
+    layers = len(tensors)
+    ours, make_theirs = chains(args, tensors, precision, pairing)
     ours_feeds, theirs_feeds = aligned_routing(rng, pairing, layers)
     try:  # onnxruntime refuses what it does not support when the session is made or first run
-        theirs = op_session(theirs_model(tensors, pairing, precision.bits, accuracy_level=precision.accuracy_level),
-                            args.threads, kernel=False)
+        theirs = make_theirs()
         theirs_y = theirs.run(["Y"], theirs_feeds)[0]
     except Exception as error:  # onnxruntime raises its own exception types
         line = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -417,19 +426,25 @@ def measure(args, results, precision: Precision, pairing: Pairing, tensors, rng)
     if precision.bits is None and not difference <= SAME_FUNCTION_TOL:
         raise SystemExit(f"benchmarks.moe_peer: ours and theirs differ at fp32 ({difference:.2e}): a layout mistake")
 
-    print(f"{'measurement':<22} {'ours ms':>8} {'theirs ms':>9} {'speed':>6} | units a layer reads: theirs (experts), ours")
+    print(f"{'measurement':<22} {'layers':>6} {'ours ms':>8} {'theirs ms':>9} {'speed':>6} | units a layer reads: "
+          "theirs (experts), ours")
+    sessions = {layers: (ours, theirs)}
     for phase, tokens, count in phases(args):
-        routed, touched = routings(rng, pairing, layers, tokens)
-        calls = {side: cycling(lambda i, s=session, n=index: s.run_with_ort_values(["Y"], routed[i][n]), len(routed))
-                 for index, (side, session) in enumerate((("ours", ours), ("theirs", theirs)))}
-        samples = rounds(calls, count, warmup=2 if phase != "prefill" else 1)
-        ms = {side: 1e3 * statistics.median(s) / layers for side, s in samples.items()}
+        n = min(layers, LAYERS) if phase == "prefill" else layers
+        if n not in sessions:
+            short, make_short = chains(args, tensors[:n], precision, pairing)
+            sessions[n] = (short, make_short())
+        routed, touched = routings(rng, pairing, n, tokens)
+        calls = {side: cycling(lambda i, s=session, j=index: s.run_with_ort_values(["Y"], routed[i][j]), len(routed))
+                 for index, (side, session) in enumerate(zip(("ours", "theirs"), sessions[n]))}
+        samples = rounds(calls, count, warmup=1 if phase == "prefill" else 2)
+        ms = {side: 1e3 * statistics.median(s) / n for side, s in samples.items()}
         speed = paired_ratio(samples["theirs"], samples["ours"])
         results["rows"].append(dict(pairing=pairing.name, precision=precision.name, phase=phase, tokens=tokens,
-                                    layers=layers, ours_ms_per_layer=ms["ours"], theirs_ms_per_layer=ms["theirs"],
+                                    layers=n, ours_ms_per_layer=ms["ours"], theirs_ms_per_layer=ms["theirs"],
                                     speed=speed, touched_per_layer=touched,
                                     samples_ms_per_call={s: [1e3 * v for v in samples[s]] for s in samples}))
-        print(f"{label(phase, tokens):<22} {ms['ours']:>8.3f} {ms['theirs']:>9.3f} {speed:>6.2f} | "
+        print(f"{label(phase, tokens):<22} {n:>6} {ms['ours']:>8.3f} {ms['theirs']:>9.3f} {speed:>6.2f} | "
               f"{touched['theirs_units']:>5.0f} ({touched['theirs_experts']:4.1f} of {pairing.experts}), "
               f"{touched['ours_units']:>5.0f}")
 

@@ -185,6 +185,22 @@ def test_a_call_reads_twice_the_cache_unless_told_its_layers():
     assert moe_peer.chain_length(types.SimpleNamespace(layers=3), moe_peer.PRECISIONS["int4"], cache) == 3
 
 
+def test_prefill_runs_the_first_layers_of_a_long_chain(library):
+    pairing = moe_peer.Pairing("3x64", 3, 64, 2)
+    rng = np.random.default_rng(6)
+    layers = moe_peer.LAYERS + 1
+    tensors = [moe_peer.layer_tensors(moe_peer.random_layer(rng, moe_peer.D, pairing.hidden), 4, 32) for _ in range(layers)]
+    results = {"unsupported": [], "same_function": [], "rows": []}
+    args = types.SimpleNamespace(threads=1, rounds=2, prefill_rounds=1, batches=[1, 3], prefills=[5])
+    moe_peer.measure(args, results, moe_peer.PRECISIONS["int4"], pairing, tensors, rng)
+    assert [(r["phase"], r["tokens"], r["layers"]) for r in results["rows"]] == \
+        [("decode", 1, layers), ("batched", 3, layers), ("prefill", 5, moe_peer.LAYERS)]
+    assert all(r["speed"] > 0 and len(r["samples_ms_per_call"]["theirs"]) == (1 if r["phase"] == "prefill" else 2)
+               for r in results["rows"])
+    (check,) = results["same_function"]
+    assert 0 < check["max_abs_difference_over_max_abs"] < 0.5  # int4 both, fc2 blocked along another axis
+
+
 def test_an_unsupported_variant_is_recorded_in_one_line(library, monkeypatch, capsys):
     """onnxruntime refusing theirs (here an activation its CPU kernel lacks) is a line in the
     results, and the run goes on."""
@@ -241,7 +257,8 @@ def test_quick_run_writes_its_results(library, tmp_path):
     for row in saved["rows"]:
         pairing = moe_peer.PAIRINGS[row["pairing"]]
         touched, layers = row["touched_per_layer"], saved["layer"]["layers_per_call"][row["precision"]]
-        assert row["layers"] == layers == moe_peer.QUICK["layers"]
+        assert row["layers"] == min(layers, moe_peer.LAYERS) if row["phase"] == "prefill" else layers
+        assert layers == moe_peer.QUICK["layers"]
         if row["tokens"] == 1:  # one token reads its k experts, and its K windows: as many units
             assert touched["theirs_experts"] == pairing.k and touched["ours_units"] == pairing.k * pairing.units
         else:
