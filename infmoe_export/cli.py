@@ -14,7 +14,7 @@ from .errors import InfMoEError
 
 # command name -> ("module:attribute" of a click.Command, one-line help shown by --help)
 COMMANDS = {
-    "train": ("infmoe_export.commands.train:train_command", "Train an ∞-MoE model from scratch on a byte corpus."),
+    "train": ("infmoe_export.commands.train:train_command", "Train an ∞-MoE model (or the conventional top-k MoE) from scratch on a byte corpus."),
     "eval": ("infmoe_export.commands.eval:eval_command", "Perplexity of a checkpoint per expert budget K."),
     "doctor": ("infmoe_export.commands.doctor:doctor_command", "What this machine can run: torch, onnxruntime, kernels, TensorRT."),
     "onnx": ("infmoe_export.commands.onnx:onnx_command", "Export a checkpoint to ONNX with the ContinuousSliceFFN op."),

@@ -102,8 +102,8 @@ def balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     takes every token."""
     E = logits.shape[-1]
     flat = logits.reshape(-1, E)
-    chosen = F.one_hot(top_k_experts(flat, top_k), E).sum(-2).float()  # [N, E], top_k ones a row
-    share = chosen.mean(0) / top_k
+    chosen = top_k_experts(flat, top_k).flatten()
+    share = torch.bincount(chosen, minlength=E).to(flat.dtype) / chosen.numel()
     return E * (share * torch.softmax(flat, dim=-1).mean(0)).sum()
 
 

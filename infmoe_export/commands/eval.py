@@ -19,7 +19,9 @@ from ..report.baselines import baseline_paths
 @click.option("--checkpoint", type=click.Path(), default=None, help="Checkpoint directory (default: the bundled model).")
 @click.option("--text", "texts", type=click.Path(), multiple=True,
               help="Text file(s) to score, concatenated (default: the stdlib validation split).")
-@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--k", "ks", default=None,
+              help="Expert budgets K, comma-separated (default: 1,2,4,8; a conventional MoE: its top_k, the only K "
+                   "it has).")
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled noise.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
@@ -30,13 +32,14 @@ from ..report.baselines import baseline_paths
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per K and baseline.")
 def eval_command(checkpoint, texts, ks, noise, seed, batch_size, baselines, no_baselines, as_json):
     """Perplexity of a checkpoint per expert budget K, and of the baselines."""
-    ks = positive_ints(ks, "--k")
     set_threads()
     data = read_texts(texts) if texts else corpus_bytes("validation")
-    runs = [(None, load_checkpoint(checkpoint), ks)]
+    model = load_checkpoint(checkpoint)
+    default_ks = "1,2,4,8" if model.config.model_type == "infmoe-gpt2" else str(model.config.default_k)
+    runs = [(None, model, positive_ints(default_ks if ks is None else ks, "--k"))]
     for path in baseline_paths(baselines, bundled=not no_baselines):
         model = load_checkpoint(path)
-        runs.append((path.resolve().name, model, [model.config.num_samples]))
+        runs.append((path.resolve().name, model, [model.config.default_k]))
     records = []
     for name, model, run_ks in runs:
         chunks = windows(data, model.config.n_positions)
@@ -45,7 +48,8 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, baselines, no_b
             total, count = window_nll(model, chunks, k, noise, seed, batch_size)
             if count == 0:
                 raise InfMoEError("text too short: need at least 2 bytes to predict one")
-            records.append({"baseline": name, "ffn_hidden": model.config.ffn_hidden, "k": k, "noise": noise,
+            records.append({"baseline": name, "model_type": model.config.model_type,
+                            "ffn_hidden": model.config.ffn_hidden, "k": k, "noise": noise,
                             "seed": seed if noise == "sampled" else None, "nll_per_byte": total / count,
                             "perplexity": math.exp(total / count), "bits_per_byte": total / count / math.log(2),
                             "predicted_bytes": count})

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config, require_arch
 from ..errors import InfMoEError
 from ..export import export_many
 from ..options import SEED, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options, positive_ints
@@ -54,6 +54,7 @@ def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block
         raise InfMoEError("--for, --dtype, --quantize-other and --block-size choose what to export; they cannot be "
                           "combined with --model")
     source = checkpoint or DEFAULT_CHECKPOINT
+    require_arch(read_config(source), "infmoe-gpt2", "infmoe-export parity")
     choices = [] if model_paths else choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size)
     out = output_dir(out, inputs=[source, *model_paths, *texts, engines])
     torch_model = load_checkpoint(checkpoint)

@@ -51,7 +51,7 @@ def _options_given(ctx) -> set:
 @click.option("--training-noise", type=click.Choice(TRAINING_NOISE), default="sampled", show_default=True,
               help="How the K training samples are drawn (docs/guide/model.md).")
 @click.option("--arch", type=click.Choice(ARCHS), default="infmoe", show_default=True,
-              help="infmoe: ∞-MoE; moe: the conventional top-k MoE (docs/reference/spec.md, Conventional MoE).")
+              help="infmoe: ∞-MoE; moe: the conventional top-k MoE (SPEC §7).")
 @click.option("--experts", type=int, default=4, show_default=True,
               help="--arch moe: E experts of ffn_hidden / E units each.")
 @click.option("--top-k", type=int, default=2, show_default=True, help="--arch moe: experts each token runs.")
@@ -115,7 +115,10 @@ def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width
         "final_val_loss": log[-1]["val_loss"], "wall_s": round(time.time() - started, 1),
     }
     sample = val_windows[::max(1, len(val_windows) // EVAL_WINDOWS)]
-    routing = {"expert_load": expert_load(model, sample)} if arch == "moe" else {"router_spread": router_spread(model, sample)}
+    if arch == "moe":
+        routing = {"expert_load": expert_load(model, sample)}
+    else:
+        routing = {"router_spread": router_spread(model, sample)}
     log_text = json.dumps({**summary, **routing, "log": log}, indent=1, allow_nan=False) + "\n"
     save_checkpoint(model, out, metadata=summary, extra_files={TRAIN_LOG: log_text})
     click.echo(f"wrote {out} (validation loss {summary['final_val_loss']:.4f} nats/byte, "
