@@ -1,6 +1,7 @@
-"""`infmoe.activations = int8`: the quantized ops' integer dot products (QMatMul) against the
-reference `quant.int8_activations` (per row and group of 32 columns) times the dequantized
-weights, on every path; rows independent of their batch mates; the option's bad values.
+"""`infmoe.activations = int8`: the quantized ops' integer dot products (QMatMul, and
+QContinuousSliceFFN's w_in) against the reference `quant.int8_activations` (per row and group of
+32 columns) times the dequantized weights, on every path; rows independent of their batch mates;
+the option's bad values.
 
 Data is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=<n> replays it).
 """
@@ -18,6 +19,7 @@ from infmoe_export.runtimes import ort_kernel
 from conftest import rerun_forcing_path
 from test_ort_kernel import relative_error
 from test_ort_qmatmul import make_feeds, model
+import test_ort_qkernel as qffn
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 PATH = os.environ.get("INFMOE_PATH", "auto")
@@ -93,6 +95,70 @@ def test_bad_option_value_in_the_session_is_refused_by_the_library(library):
     options.add_session_config_entry(ort_kernel.ACTIVATIONS, "bf16")
     with pytest.raises(Exception, match="infmoe.activations must be float or int8, got 'bf16'"):
         options.register_custom_ops_library(str(library))
+
+
+def ffn_session(r, bits, block, activations="int8", dtype=np.float32, threads=2):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    assert ort_kernel.register(options, activations=activations)
+    return ort.InferenceSession(qffn.q_model(r, (bits, block), dtype), options, providers=["CPUExecutionProvider"])
+
+
+def ffn_reference(feeds, r, bits, block):
+    """The level-1 reference of QContinuousSliceFFN on the int8 activations: x enters only
+    through w_in, whose products the integer dots make; w_out's stay float."""
+    x = int8_activations(torch.from_numpy(feeds["X"]).float()).numpy()
+    return qffn.reference(dict(feeds, X=x), r, bits, block)
+
+
+# (leading dims, D, H, r, K, windows, block): D of whole groups of 32 (the integer path) and not
+# (odd D: the float paths on the dequantized activations), r = 1 and r = H, one token to prefill.
+FFN_CASES = [
+    ((1,), 64, 37, 5, 1, "edges", 32),
+    ((3,), 96, 101, 1, 2, "disjoint", 32),
+    ((2,), 768, 613, 200, 2, "overlapping", 64),
+    ((1,), 77, 41, 41, 3, "random", 32),
+    ((40,), 160, 257, 19, 4, "edges", 32),
+    ((2, 150), 97, 613, 200, 3, "disjoint", 32),
+    ((5,), 64, 59, 59, 1, "random", 128),
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("lead, d, h, r, k, windows, block", FFN_CASES)
+def test_expert_op_int8_activations_match_their_reference(library, lead, d, h, r, k, windows, block, bits):
+    rng = np.random.default_rng([SEED, d, h, r, bits])
+    feeds = qffn.make_feeds(rng, lead, d, h, r, k, bits, block, windows)
+    y = ffn_session(r, bits, block).run(None, feeds)[0]
+    assert relative_error(y, ffn_reference(feeds, r, bits, block)) < 1e-5, f"seed {SEED}, path {PATH}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_expert_op_rows_do_not_depend_on_batch_mates(library, bits):
+    rng = np.random.default_rng([SEED, 5])
+    feeds = qffn.make_feeds(rng, (7,), 128, 300, 40, 2, bits, 32, "random")
+    s = ffn_session(40, bits, 32)
+    y = s.run(None, feeds)[0]
+    for t in range(7):
+        alone = s.run(None, dict(feeds, X=feeds["X"][t:t + 1], starts=feeds["starts"][t:t + 1]))[0]
+        assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-6, f"seed {SEED}, row {t}"
+
+
+def test_expert_op_int8_activations_are_not_float_activations(library):
+    rng = np.random.default_rng([SEED, 6])
+    feeds = qffn.make_feeds(rng, (3,), 96, 101, 20, 2, 4, 32, "random")
+    y8 = ffn_session(20, 4, 32).run(None, feeds)[0]
+    y32 = ffn_session(20, 4, 32, activations="float").run(None, feeds)[0]
+    assert 1e-4 < relative_error(y8, y32.astype(np.float64)) < 3e-2, f"seed {SEED}"
+
+
+def test_expert_op_block_16_keeps_float_activations(library):
+    """Blocks of 16 columns cannot scale 32-column groups: the option leaves such a node on
+    float activations (documented), the level-1 reference exactly."""
+    rng = np.random.default_rng([SEED, 7])
+    feeds = qffn.make_feeds(rng, (3,), 64, 50, 9, 2, 4, 16, "random")
+    y = ffn_session(9, 4, 16).run(None, feeds)[0]
+    assert relative_error(y, qffn.reference(feeds, 9, 4, 16)) < 1e-5, f"seed {SEED}"
 
 
 @pytest.mark.parametrize("path", ["integer", "batched", "prefill", "gemv"])

@@ -68,14 +68,16 @@ struct QuantizedTokens {
   }
 #endif
 
-  // The tokens as floats [tokens, d]: qx times its group's scale (the integer dots' operands).
-  std::vector<float> Dequantized(int64_t tokens, int64_t d) const {
-    std::vector<float> out(tokens * d);
+  // The tokens as T [tokens, d]: qx times its group's scale (the integer dots' operands), which
+  // the float paths multiply instead of x.
+  template <typename T>
+  std::vector<T> Dequantized(int64_t tokens, int64_t d) const {
+    std::vector<T> out(tokens * d);
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t c = 0; c < d; ++c) {
         const int64_t g = c / kGroup, slot = c % kGroup;
         const int64_t at = bits == 4 ? (slot % 2) * (kGroup / 2) + slot / 2 : slot;
-        out[t * d + c] = static_cast<float>(Group(t, g)[at]) * scale[t * groups + g];
+        FromFloat(static_cast<float>(Group(t, g)[at]) * scale[t * groups + g], &out[t * d + c]);
       }
     return out;
   }
@@ -103,11 +105,11 @@ inline __m256i WeightGroup4(const uint8_t* src) {
 template <int Bits>
 constexpr int64_t kGroupBytes = kGroup * Bits / 8;
 
-// dots[t ldd + j] = token t . row lo + j for Tt tokens and Jr rows, rows read through `w` (whole
-// groups: each row at least groups * kGroupBytes bytes, its padding q = 0).
+// dots[t ldd + j] = token ids[t] . row lo + j for Tt tokens and Jr rows, rows read through `w`
+// (whole groups: each row at least groups * kGroupBytes bytes, its padding q = 0).
 // per_block: groups per block of a row's scales (block_size / 32).
 template <int Tt, int Jr, int Bits, typename T>
-void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>& w, int64_t per_block, int64_t lo,
+void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<Bits, T>& w, int64_t per_block, int64_t lo,
                  float* dots, int64_t ldd) {
   const int64_t groups = x.groups;
 #if defined(__AVX2__)
@@ -117,22 +119,22 @@ void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>&
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (Bits == 4) {
       __m256i qx[Tt];
-      for (int t = 0; t < Tt; ++t) qx[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(t0 + t, g)));
+      for (int t = 0; t < Tt; ++t) qx[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
       for (int j = 0; j < Jr; ++j) {
         const auto row = w.At(lo + j);
         const __m256i u = WeightGroup4(row.q + g * kGroupBytes<Bits>);
         const float ws = ToFloat(row.scale[g / per_block]);
         for (int t = 0; t < Tt; ++t) {
           const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qx[t]), _mm256_set1_epi16(1)),
-                                               x.Offset(t0 + t, g));
-          const __m256 s = _mm256_set1_ps(ws * x.scale[(t0 + t) * groups + g]);
+                                               x.Offset(ids[t], g));
+          const __m256 s = _mm256_set1_ps(ws * x.scale[ids[t] * groups + g]);
           acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
         }
       }
     } else {
       __m256i xl[Tt], xh[Tt];
       for (int t = 0; t < Tt; ++t) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(t0 + t, g)));
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
         xl[t] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
         xh[t] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
       }
@@ -143,7 +145,7 @@ void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>&
         const float ws = ToFloat(row.scale[g / per_block]);
         for (int t = 0; t < Tt; ++t) {
           const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[t]), _mm256_madd_epi16(wh, xh[t]));
-          const __m256 s = _mm256_set1_ps(ws * x.scale[(t0 + t) * groups + g]);
+          const __m256 s = _mm256_set1_ps(ws * x.scale[ids[t] * groups + g]);
           acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
         }
       }
@@ -161,7 +163,7 @@ void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>&
       const auto row = w.At(lo + j);
       float acc = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* qx = x.Group(t0 + t, g);
+        const int8_t* qx = x.Group(ids[t], g);
         const uint8_t* src = row.q + g * kGroupBytes<Bits>;
         int32_t sum = 0;
         for (int64_t c = 0; c < kGroup; ++c) {
@@ -169,7 +171,7 @@ void IntDotBlock(const QuantizedTokens& x, int64_t t0, const QuantRows<Bits, T>&
           const int q = Bits == 8 ? src[c] - 128 : ((src[c / 2] >> (4 * (c % 2))) & 15) - 8;
           sum += q * qx[Bits == 4 ? (c % 2) * (kGroup / 2) + c / 2 : c];
         }
-        acc += static_cast<float>(sum) * (ToFloat(row.scale[g / per_block]) * x.scale[(t0 + t) * groups + g]);
+        acc += static_cast<float>(sum) * (ToFloat(row.scale[g / per_block]) * x.scale[ids[t] * groups + g]);
       }
       dots[t * ldd + j] = acc;
     }
@@ -186,22 +188,22 @@ constexpr int kIntRows = Bits == 4 ? 2 : 4;
 
 template <int Bits, typename T, size_t... I>
 constexpr auto IntDotTable(std::index_sequence<I...>) {
-  using Fn = void (*)(const QuantizedTokens&, int64_t, const QuantRows<Bits, T>&, int64_t, int64_t, float*, int64_t);
+  using Fn = void (*)(const QuantizedTokens&, const int64_t*, const QuantRows<Bits, T>&, int64_t, int64_t, float*, int64_t);
   return std::array<Fn, sizeof...(I)>{&IntDotBlock<static_cast<int>(I / kIntRows<Bits>) + 1,
                                                    static_cast<int>(I % kIntRows<Bits>) + 1, Bits, T>...};
 }
 
-// dots[t ldd + j] = token t . row lo + j for t < tokens, j < rows; block_size a multiple of 32.
+// dots[t ldd + j] = token ids[t] . row lo + j for t < tokens, j < rows; block_size a multiple of 32.
 template <int Bits, typename T>
-void IntDots(const QuantizedTokens& x, int64_t tokens, const QuantRows<Bits, T>& w, int64_t block_size, int64_t lo,
-             int64_t rows, float* dots, int64_t ldd) {
+void IntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
+             int64_t block_size, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
   constexpr int kTokens = kIntTokens<Bits>, kRows = kIntRows<Bits>;
   static constexpr auto kBlocks = IntDotTable<Bits, T>(std::make_index_sequence<kTokens * kRows>());
   for (int64_t t = 0; t < tokens; t += kTokens) {
     const int64_t tt = std::min<int64_t>(kTokens, tokens - t);
     for (int64_t j = 0; j < rows; j += kRows) {
       const int64_t jr = std::min<int64_t>(kRows, rows - j);
-      kBlocks[(tt - 1) * kRows + (jr - 1)](x, t, w, block_size / kGroup, lo + j, dots + t * ldd + j, ldd);
+      kBlocks[(tt - 1) * kRows + (jr - 1)](x, ids + t, w, block_size / kGroup, lo + j, dots + t * ldd + j, ldd);
     }
   }
 }

@@ -199,7 +199,7 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
 // session's option infmoe.activations is int8.
 std::vector<OrtCustomOp*> ContinuousSliceFFNOps();
 std::vector<OrtCustomOp*> ContinuousSliceFFNCudaOps();
-std::vector<OrtCustomOp*> QContinuousSliceFFNOps();
+std::vector<OrtCustomOp*> QContinuousSliceFFNOps(bool int8_activations);
 std::vector<OrtCustomOp*> QMatMulOps(bool int8_activations);
 std::vector<OrtCustomOp*> DecoderAttentionOps();
 std::vector<OrtCustomOp*> WindowStartsOps();

@@ -237,7 +237,7 @@ inline void AxpyRows(const Format& w, int64_t i, int64_t stride, const float* h,
 }
 
 // What the decode loops read a format through: the format itself, except quantized rows on
-// AVX-512 (below). Its register layout of a row: slot s, lane l holds column Column(s, l) (>= d:
+// AVX-512 with VNNI and int4 rows on AVX2 (below). Its register layout of a row: slot s, lane l holds column Column(s, l) (>= d:
 // padding, where x is zero), x and the partial outputs stored times XScale(s) and 1 / XScale(s);
 // natural: unit after unit, times 1.
 template <class Format>
@@ -255,6 +255,8 @@ struct DecodeLayout {
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include "common/packed_rows.h"
+#elif defined(__AVX2__)
+#include "common/nibble_rows.h"
 #endif
 
 // Slot u of d values v in the decode layout of Rows, v read as Format's element type (zero at

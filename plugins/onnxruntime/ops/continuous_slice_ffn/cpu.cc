@@ -15,12 +15,17 @@
 //    scratch that stays in cache.
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
+// With int8 activations (QContinuousSliceFFN, session option infmoe.activations = int8) x is
+// quantized once per call (common/int8_dots.h) and every path multiplies it: the integer path
+// (the batched one with w_in's dots in integers; w_out's products, over rows, stay float) or,
+// dequantized, the float ones.
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
 // so every bit of the result) is the same for any number of threads.
 // Compiled once per CPU variant (common/variant.h).
 #include "common/variant.h"
 #include "common/batched.h"
 #include "common/gemm.h"
+#include "common/int8_dots.h"
 #include "common/paths.h"
 #include "common/weight_formats.h"
 #include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
@@ -218,13 +223,20 @@ constexpr int64_t kItemRows = 256;
 // per token and item (at most this many tokens x H / kItemRows x D floats).
 constexpr int64_t kBatchedMaxTokens = 256;
 
+// A format's bits a weight when quantized, else 0.
+template <class Format>
+constexpr int kBitsOf = 0;
+template <int Bits, typename T>
+constexpr int kBitsOf<QuantRows<Bits, T>> = Bits;
+
 // A few to a few dozen tokens: per work item, every block of kBlockRows rows is read once (as
 // floats, common/batched.h) for all the tokens whose windows reach into it: their dots, bias,
 // GELU and coverage, then their partial outputs. A token's output is b_out plus its partials in
-// item order; rows a token's windows miss add exact zeros.
+// item order; rows a token's windows miss add exact zeros. With xq (int8 activations, whole
+// groups of 32 columns) w_in's dots are integer ones (common/int8_dots.h), its rows never floats.
 template <typename T, class Format>
-void BatchedDecode(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
-                   const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& w_in,
+                   const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   const int64_t depth = PaddedDepth(s.d), items = (s.h + kItemRows - 1) / kItemRows;
   const std::vector<float> xs = PaddedTokens(x, s.tokens, s.d);
   // The tokens that reach into each item, in token order, and each token's partial there.
@@ -267,16 +279,21 @@ void BatchedDecode(const Sizes& s, const T* x, const int64_t* starts, const Form
       const int64_t n = static_cast<int64_t>(covering.size());
       if (n == 0) continue;
       int64_t ld = 0;
-      const float* block = FloatBlock(w_in, lo, hi, scratch_in, &ld);
       hidden.resize(n * rows);
-      Dots(xs_of.data(), n, block, ld, rows, depth, hidden.data(), rows);
+      if constexpr (kBitsOf<Format> != 0) {
+        if (xq) IntDots(*xq, covering.data(), n, w_in, int64_t{Format::kWidth} << w_in.block_shift, lo, rows, hidden.data(), rows);
+      }
+      if (!xq) {
+        const float* block = FloatBlock(w_in, lo, hi, scratch_in, &ld);
+        Dots(xs_of.data(), n, block, ld, rows, depth, hidden.data(), rows);
+      }
       for (int64_t t = 0; t < n; ++t)
         for (int64_t i = 0; i < rows; ++i) hidden[t * rows + i] += ToFloat(b_in[lo + i]);
       Eigen::Map<Eigen::ArrayXf> h(hidden.data(), n * rows);
       GeluTanh(h);
       const Eigen::Map<const Eigen::ArrayXf> c(coverage.data(), n * rows);
       h = (c != 0.0f).select(h * c, 0.0f);  // uncovered: exactly zero, whatever GELU gave
-      block = FloatBlock(w_out, lo, hi, scratch_out, &ld);
+      const float* block = FloatBlock(w_out, lo, hi, scratch_out, &ld);
       Axpys(hidden.data(), rows, n, block, ld, rows, depth, outs_of.data());
     }
   });
@@ -294,24 +311,32 @@ void BatchedDecode(const Sizes& s, const T* x, const int64_t* starts, const Form
   }
 }
 
+// One call on `path`. With int8 activations (xq) the integer path needs rows of whole groups of
+// 32 columns (read as such: d a multiple of 32), else the batched path takes it; the float paths
+// multiply the activations dequantized.
 template <typename T, class Format>
-void Compute(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
-             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
+void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& w_in,
+             const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0) return;
+  if (path == Path::kInteger && !(xq && s.d % kGroup == 0)) path = Path::kBatched;
+  if (xq && path != Path::kInteger) {
+    const std::vector<T> dequantized = xq->Dequantized<T>(s.tokens, s.d);
+    return Compute(s, dequantized.data(), nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for, path);
+  }
   switch (path) {
-    case Path::kInteger:  // not taken (PathFor)
+    case Path::kInteger: return BatchedDecode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kGemv: return Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-    case Path::kBatched: return BatchedDecode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kBatched: return BatchedDecode(s, x, nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kPrefill: return Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   }
 }
 
-// The path for this call (common/paths.h): GEMV for one token (streamed at the bytes roofline);
-// for more, batched or prefill as timed once per process and format, on every token reading the
-// first rows of the first call's matrices.
-template <typename T, class Format>
+// The path for this call (common/paths.h): with float activations GEMV for one token (streamed
+// at the bytes roofline); otherwise as timed once per process, format and kind of activations
+// (kInt8), on every token reading the first rows of the first call's matrices.
+template <typename T, bool kInt8, class Format>
 Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
-  if (s.tokens <= 1 && !ForcedPath()) return Path::kGemv;
+  if (s.tokens <= 1 && !ForcedPath() && !kInt8) return Path::kGemv;
   static const PathChoice choice = [&] {
     const int64_t most = CalibrationTokens(s.d);
     const Sizes part{0, s.d, s.h, 1, std::min<int64_t>(s.h, 4 * kBlockRows)};
@@ -323,16 +348,34 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
     const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
       for (size_t i = 0; i < n; ++i) body(i);
     };
+    const bool whole_groups = s.d % kGroup == 0;
     return MeasurePaths([&](Path path, int64_t tokens) {
       Sizes sizes = part;
       sizes.tokens = tokens;
-      Compute(sizes, x.data(), starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(), inline_for, path);
-    }, [](Path path, int64_t tokens) { return path != Path::kInteger && (path != Path::kGemv || tokens == 1); }, most);
+      const QuantizedTokens xq(x.data(), kInt8 ? tokens : 0, s.d, kBitsOf<Format>);
+      Compute(sizes, x.data(), kInt8 ? &xq : nullptr, starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(),
+              inline_for, path);
+    }, [&](Path path, int64_t tokens) {
+      return (path != Path::kInteger || (kInt8 && whole_groups)) && (path != Path::kGemv || tokens == 1);
+    }, most);
   }();
   const Path path = choice.For(s.tokens);
-  return path == Path::kBatched && s.tokens > kBatchedMaxTokens ? Path::kPrefill : path;
+  const bool batched = path == Path::kBatched || path == Path::kInteger;
+  return batched && s.tokens > kBatchedMaxTokens ? Path::kPrefill : path;
 }
 
+
+template <int Bits, typename T>
+void RunBits(const Sizes& s, const Quantization& q, const T* x, const int64_t* starts, const QuantizedMatrix<T>& w_in,
+             const T* b_in, const QuantizedMatrix<T>& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+  const QuantRows<Bits, T> in(w_in, s.d, q.block_size), out(w_out, s.d, q.block_size);
+  if (q.int8_activations && q.block_size % kGroup == 0) {
+    const QuantizedTokens xq(x, s.tokens, s.d, Bits);
+    Compute(s, x, &xq, starts, in, b_in, out, b_out, y, parallel_for, PathFor<T, true>(s, in, out));
+  } else {
+    Compute(s, x, nullptr, starts, in, b_in, out, b_out, y, parallel_for, PathFor<T, false>(s, in, out));
+  }
+}
 
 }  // namespace
 
@@ -341,11 +384,11 @@ template <typename T>
 void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const T* b_in,
          const T* w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   const FloatRows<T> in{w_in, s.d}, out{w_out, s.d};
-  const Path path = PathFor<T>(s, in, out);
+  const Path path = PathFor<T, false>(s, in, out);
   if (IntelStreams() && path == Path::kGemv) {
     Decode(s, x, starts, FloatRows<T, true>{w_in, s.d}, b_in, FloatRows<T, true>{w_out, s.d}, b_out, y, parallel_for);
   } else {
-    Compute(s, x, starts, in, b_in, out, b_out, y, parallel_for, path);
+    Compute(s, x, nullptr, starts, in, b_in, out, b_out, y, parallel_for, path);
   }
 }
 
@@ -354,11 +397,9 @@ void RunQuantized(const Sizes& s, const Quantization& q, const T* x, const int64
                   const QuantizedMatrix<T>& w_in, const T* b_in, const QuantizedMatrix<T>& w_out,
                   const T* b_out, T* y, const ParallelFor& parallel_for) {
   if (q.bits == 8) {
-    const QuantRows<8, T> in(w_in, s.d, q.block_size), out(w_out, s.d, q.block_size);
-    Compute(s, x, starts, in, b_in, out, b_out, y, parallel_for, PathFor<T>(s, in, out));
+    RunBits<8>(s, q, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   } else {
-    const QuantRows<4, T> in(w_in, s.d, q.block_size), out(w_out, s.d, q.block_size);
-    Compute(s, x, starts, in, b_in, out, b_out, y, parallel_for, PathFor<T>(s, in, out));
+    RunBits<4>(s, q, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   }
 }
 

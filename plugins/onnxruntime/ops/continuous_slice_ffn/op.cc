@@ -154,7 +154,8 @@ infmoe::Sizes CheckQuantized(const Inputs& in, const QuantizedAttributes& attrib
   return s;
 }
 
-template <typename T>
+// kInt8: the session's activations are int8 (register.cc).
+template <typename T, bool kInt8>
 struct QuantizedCpuKernel : OneOutput {
   static constexpr const char* kName = "QContinuousSliceFFN";
   static constexpr size_t kInputs = 8;
@@ -164,7 +165,9 @@ struct QuantizedCpuKernel : OneOutput {
 
   QuantizedAttributes attributes;
   ConstantInputs constants;
-  explicit QuantizedCpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {}
+  explicit QuantizedCpuKernel(const OrtKernelInfo* info) : attributes(info), constants(info, kInputs) {
+    attributes.quantization.int8_activations = kInt8;
+  }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw_context) {
     return Guard(kName, [&] {
@@ -216,9 +219,12 @@ std::vector<OrtCustomOp*> ContinuousSliceFFNOps() {
   return {&cpu_float, &cpu_half};
 }
 
-std::vector<OrtCustomOp*> QContinuousSliceFFNOps() {
-  static Op<QuantizedCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_float(nullptr);
-  static Op<QuantizedCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_half(nullptr);
+std::vector<OrtCustomOp*> QContinuousSliceFFNOps(bool int8_activations) {
+  static Op<QuantizedCpuKernel<float, false>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_float(nullptr);
+  static Op<QuantizedCpuKernel<uint16_t, false>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> cpu_half(nullptr);
+  static Op<QuantizedCpuKernel<float, true>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> int8_float(nullptr);
+  static Op<QuantizedCpuKernel<uint16_t, true>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> int8_half(nullptr);
+  if (int8_activations) return {&int8_float, &int8_half};
   return {&cpu_float, &cpu_half};
 }
 

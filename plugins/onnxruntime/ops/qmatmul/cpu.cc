@@ -75,11 +75,13 @@ void BatchedMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
 template <int Bits, typename T>
 void IntMatMul(const MatMulSizes& s, const QuantizedTokens& xs, const QuantRows<Bits, T>& w, int64_t block_size, T* y,
                const ParallelFor& parallel_for) {
+  std::vector<int64_t> ids(s.tokens);
+  std::iota(ids.begin(), ids.end(), 0);
   parallel_for(static_cast<size_t>((s.n + kBlockRows - 1) / kBlockRows), [&](size_t item) {
     const int64_t lo = static_cast<int64_t>(item) * kBlockRows, hi = std::min(lo + kBlockRows, s.n);
     thread_local std::vector<float> dots;
     dots.resize(s.tokens * kBlockRows);
-    IntDots(xs, s.tokens, w, block_size, lo, hi - lo, dots.data(), kBlockRows);
+    IntDots(xs, ids.data(), s.tokens, w, block_size, lo, hi - lo, dots.data(), kBlockRows);
     for (int64_t t = 0; t < s.tokens; ++t)
       for (int64_t j = lo; j < hi; ++j) FromFloat(dots[t * kBlockRows + j - lo], y + t * s.n + j);
   });
@@ -91,17 +93,9 @@ template <int Bits, typename T>
 void ComputeMatMul(const MatMulSizes& s, const T* x, const QuantizedTokens* xs, const QuantRows<Bits, T>& w,
                    int64_t block_size, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0 || s.n == 0) return;
-  std::vector<float> dequantized;
   if (xs && path != Path::kInteger) {
-    dequantized = xs->Dequantized(s.tokens, s.k);
-    const MatMulSizes floats = s;
-    if constexpr (std::is_same_v<T, float>) {
-      return ComputeMatMul<Bits, float>(floats, dequantized.data(), nullptr, w, block_size, y, parallel_for, path);
-    } else {
-      std::vector<T> converted(dequantized.size());
-      for (size_t i = 0; i < dequantized.size(); ++i) FromFloat(dequantized[i], &converted[i]);
-      return ComputeMatMul<Bits, T>(floats, converted.data(), nullptr, w, block_size, y, parallel_for, path);
-    }
+    const std::vector<T> dequantized = xs->Dequantized<T>(s.tokens, s.k);
+    return ComputeMatMul<Bits, T>(s, dequantized.data(), nullptr, w, block_size, y, parallel_for, path);
   }
   switch (path) {
     case Path::kInteger: return IntMatMul(s, *xs, w, block_size, y, parallel_for);

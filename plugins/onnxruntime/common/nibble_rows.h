@@ -1,0 +1,89 @@
+// Included by common/weight_formats.h inside its namespaces, on AVX2 without AVX-512 VNNI: int4
+// rows in a decode layout that needs no byte shuffle. (A fragment, not a header of its own: it
+// extends DecodeRows and DecodeLayout there.)
+// A row's 8-byte group g holds columns 16 g .. 16 g + 15, column 16 g + 2 j in byte j's low
+// nibble and 16 g + 2 j + 1 in its high one. Zero-extended to 8 dwords (one vpmovzxbd), the low
+// nibbles are one mask away and the high ones one shift: slot 2 g holds the group's even columns,
+// slot 2 g + 1 its odd ones, and x and the partial outputs are laid out the same way. Per 16
+// weights: widen, mask, shift, two subtractions of 8, two conversions and two FMAs; the natural
+// layout's interleave (one column a byte, in order) cost a shuffle and a sign extension per 8.
+template <typename T>
+struct NibbleRows {
+  static constexpr int kWidth = 8;
+  static constexpr int kDecodeRows = 1;
+  using Row = typename QuantRows<4, T>::Row;
+  QuantRows<4, T> w;
+  int64_t groups, full_groups;  // full_groups: those with all 8 bytes in the row
+  int64_t groups_per_block;
+
+  explicit NibbleRows(const QuantRows<4, T>& rows)
+      : w(rows), groups((rows.d + 15) / 16), full_groups(rows.d / 16),
+        groups_per_block(int64_t{1} << (rows.block_shift - 1)) {}  // block_size >= 16: block_shift >= 1
+  Row At(int64_t i) const { return w.At(i); }
+  int64_t RowBytes() const { return w.RowBytes(); }
+
+  // Group g's stored nibbles u = q + 8 as 8 dwords (bytes beyond the row: 0x88, q = 0).
+  __m256i Group(Row row, int64_t g) const {
+    uint64_t word = 0x8888888888888888ull;
+    if (g < full_groups) {  // a constant size: one load, not a call to memcpy
+      std::memcpy(&word, row.q + 8 * g, 8);
+    } else {
+      std::memcpy(&word, row.q + 8 * g, (w.d - 16 * g + 1) / 2);
+    }
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
+  }
+  // The group's even (low nibbles) and odd (high nibbles) columns' q, as floats.
+  static Lanes<8> Even(__m256i u) {
+    return reinterpret_cast<Lanes<8>>(
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(u, _mm256_set1_epi32(15)), _mm256_set1_epi32(8))));
+  }
+  static Lanes<8> Odd(__m256i u) {
+    return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(u, 4), _mm256_set1_epi32(8))));
+  }
+};
+
+template <typename T>
+NibbleRows<T> DecodeRows(const QuantRows<4, T>& w) {
+  return NibbleRows<T>(w);
+}
+template <typename T>
+struct DecodeLayout<NibbleRows<T>> {
+  static constexpr int kRows = 1;
+  static int64_t Slots(int64_t d) { return 2 * ((d + 15) / 16); }
+  static int64_t Column(int64_t s, int l) { return s / 2 * 16 + 2 * l + s % 2; }
+  static float XScale(int64_t) { return 1.0f; }
+  static constexpr bool kIntegerDot = false;
+};
+
+// q . x per block, then one FMA by the block's scale, blocks alternating between two chains (as
+// Dot over the natural layout). x in this layout; the natural loop's full and tail are not used.
+template <typename T>
+inline float Dot(const NibbleRows<T>& w, int64_t i, const Lanes<8>* x, int64_t, int64_t) {
+  const auto row = w.At(i);
+  Lanes<8> even = {}, odd = {};
+  for (int64_t g = 0, b = 0; g < w.groups; ++b) {
+    const int64_t end = std::min(g + w.groups_per_block, w.groups);
+    Lanes<8> p = {}, p_odd = {};
+    for (; g < end; ++g) {
+      const __m256i u = w.Group(row, g);
+      p += NibbleRows<T>::Even(u) * x[2 * g];
+      p_odd += NibbleRows<T>::Odd(u) * x[2 * g + 1];
+    }
+    (b & 1 ? odd : even) += (p + p_odd) * ToFloat(row.scale[b]);
+  }
+  return SumLanes<8>(even + odd);
+}
+
+// out += h * row i, h times the block's scale once per block; out in this layout.
+template <typename T>
+inline void Axpy(const NibbleRows<T>& w, int64_t i, float h, int64_t, int64_t, Lanes<8>* out) {
+  const auto row = w.At(i);
+  for (int64_t g = 0, b = 0; g < w.groups; ++b) {
+    const float c = h * ToFloat(row.scale[b]);
+    for (const int64_t end = std::min(g + w.groups_per_block, w.groups); g < end; ++g) {
+      const __m256i u = w.Group(row, g);
+      out[2 * g] += c * NibbleRows<T>::Even(u);
+      out[2 * g + 1] += c * NibbleRows<T>::Odd(u);
+    }
+  }
+}
