@@ -46,15 +46,17 @@ a NumPy reference in tests/test_moe_peer.py), what an export to them writes:
   fc1_experts_weights, fc1_scales, fc1_experts_bias, fc2_experts_weights, fc2_scales,
   fc2_experts_bias.
 - `accuracy_level`: 0 keeps float activations for int4 experts; 4 gives int4 experts int8
-  activations (per token, groups of B columns, amax / 127: quant.int8_activations' rounding);
-  int8 experts take int8 activations at every level (environment ORT_QMOE_CPU_QNBIT_GEMM=fp32
-  forces their float dequantize path instead). Precisions here: `int4` (level 0), `int4-a8`
-  (level 4), `int8` (theirs' int8 activations); ours keeps float activations at every precision
-  (the expert ops have no int8 activations).
+  activations (per token, groups of B columns, amax / 127: quant.int8_activations' rounding)
+  into both products; int8 experts take int8 activations at every level (environment
+  ORT_QMOE_CPU_QNBIT_GEMM=fp32 forces their float dequantize path instead).
+Precisions here: `fp32`; `int4`, float activations on both sides (level 0); `int8` and
+`int4-a8`, int8 activations on both sides (level 4; ours with infmoe.activations = int8, which
+quantizes x for the w_in product only: the w_out product stays float).
 """
 
 import argparse
 import dataclasses
+import datetime
 import os
 import pathlib
 import statistics
@@ -70,6 +72,7 @@ from infmoe_export.errors import InfMoEError
 from infmoe_export.limits import check_fits
 from infmoe_export.quant import Q_OP_TYPE, QuantizedWeight, expert_bytes
 from infmoe_export.report.timing import cycling, last_level_cache_bytes, paired_ratio, rounds
+from infmoe_export.runtimes.ort_kernel import custom_op_library
 
 from . import arguments, record
 from .sessions import op_session, use_shared_pool
@@ -102,12 +105,17 @@ PAIRINGS = {p.name: p for p in (Pairing("24x256", 24, 256, 6), Pairing("4x1536",
 @dataclasses.dataclass(frozen=True)
 class Precision:
     name: str
-    bits: Optional[int]      # None: float32
-    accuracy_level: int = 0  # theirs (QMoE); ours keeps float activations
+    bits: Optional[int]          # None: float32
+    activations: str = "float"   # both sides': "int8" is ours' infmoe.activations, theirs' accuracy level 4
+
+    @property
+    def accuracy_level(self) -> int:
+        """QMoE's (its int8 experts take int8 activations at any level)."""
+        return 4 if self.activations == "int8" else 0
 
 
-PRECISIONS = {p.name: p for p in (Precision("fp32", None), Precision("int4", 4), Precision("int8", 8),
-                                  Precision("int4-a8", 4, 4))}
+PRECISIONS = {p.name: p for p in (Precision("fp32", None), Precision("int4", 4), Precision("int8", 8, "int8"),
+                                  Precision("int4-a8", 4, "int8"))}
 # The goals of the issue that asked for this peer: ours / theirs speed at int4, at least.
 GOALS = {"decode": 1.5, "batched": 1.0, "prefill": 1.0}
 
@@ -349,6 +357,14 @@ def _names(text: str, known: dict) -> list:
     return [known[n] for n in names]
 
 
+def library_modified() -> Optional[str]:
+    """When the kernel library this run loads was written (UTC): which build was measured."""
+    library = custom_op_library()
+    if library is None or not library.is_file():
+        return None
+    return datetime.datetime.fromtimestamp(library.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def main(argv=None):
     args = parse(argv)
     pairings = list(PAIRINGS.values()) if args.pairing == "both" else [PAIRINGS[args.pairing]]
@@ -363,7 +379,7 @@ def main(argv=None):
         options=dict(threads=args.threads, rounds=args.rounds, prefill_rounds=args.prefill_rounds, quick=args.quick,
                      pairings=[p.name for p in pairings], precisions=[p.name for p in args.precisions],
                      batches=args.batches, prefills=args.prefills, layers=args.layers),
-        load_average_at_start=list(os.getloadavg()),
+        load_average_at_start=list(os.getloadavg()), kernel_library_modified=library_modified(),
         pairings=[], unsupported=[], same_function=[], rows=[], goals=[])
     print(f"ours (infmoe op) vs theirs (onnxruntime {ort.__version__} {MS_DOMAIN} MoE / QMoE), D {D}, H {H}, "
           f"{args.threads} threads; speed = theirs' time / ours' (> 1: ours faster)")
@@ -397,7 +413,7 @@ def main(argv=None):
 
 def chains(args, tensors, precision: Precision, pairing: Pairing):
     """Sessions of ours' chain and of theirs' over these layers (theirs may be refused)."""
-    ours = op_session(ours_model(tensors, pairing, precision.bits), args.threads)
+    ours = op_session(ours_model(tensors, pairing, precision.bits), args.threads, activations=precision.activations)
     theirs = lambda: op_session(theirs_model(tensors, pairing, precision.bits, accuracy_level=precision.accuracy_level),
                                 args.threads, kernel=False)
     return ours, theirs

@@ -3,6 +3,7 @@ onnxruntime's own MatMulNBits dense peer, and single-op models."""
 
 import logging
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import onnx
@@ -126,15 +127,17 @@ def use_shared_pool(threads: int):
     _shared_pool_threads = threads
 
 
-def op_session(model: onnx.ModelProto, threads: int, kernel: bool = True) -> ort.InferenceSession:
+def op_session(model: onnx.ModelProto, threads: int, kernel: bool = True,
+               activations: Optional[str] = None) -> ort.InferenceSession:
     """A session of a single-op model: on the shared pool (use_shared_pool), or on a pool of its
-    own that never spins (a spinning pool would steal the cores from the next session's call)."""
+    own that never spins (a spinning pool would steal the cores from the next session's call);
+    with the kernel, its quantized ops on these activations ("float", the default, or "int8")."""
     options = ort.SessionOptions()
     if _shared_pool_threads is None:
         options.intra_op_num_threads = threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     else:
         options.use_per_session_threads = False
-    if kernel and not register(options):
+    if kernel and not register(options, activations=activations):
         raise SystemExit("benchmarks: the kernel library is not built")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -84,12 +84,13 @@ def moe_reference(x, logits, w_in, b_in, w_out_t, b_out, experts, k, gelu, int8=
     return y
 
 
-def layer_outputs(model, kernel, x, routes, route):
+def layer_outputs(model, activations, x, routes, route):
     """Each layer's output, the chain's own float32 values (each layer checked on the input it
-    got: a rounding of int8 activations that flips on another input changes every later one)."""
+    got: a rounding of int8 activations that flips on another input changes every later one).
+    activations: ours' ("float" or "int8"), or None for theirs (no kernel library)."""
     names = [f"X_{i}" for i in range(1, len(routes))] + ["Y"]
     model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names[:-1])
-    session = moe_peer.op_session(model, 1, kernel=kernel)
+    session = moe_peer.op_session(model, 1, kernel=activations is not None, activations=activations)
     return session.run(names, {"X": x, **{f"{route}_{i}": r for i, r in enumerate(routes)}})
 
 
@@ -102,9 +103,10 @@ def test_theirs_is_a_softmax_top_k_moe(library, name, d, experts, units, k, bloc
     model = moe_peer.theirs_model(tensors, pairing, precision.bits, block, precision.accuracy_level)
     x = rng.standard_normal((TOKENS, d)).astype(np.float32)
     logits = [(2 * rng.standard_normal((TOKENS, experts))).astype(np.float32) for _ in range(LAYERS)]
-    outputs = layer_outputs(model, False, x, logits, "logits")
+    outputs = layer_outputs(model, None, x, logits, "logits")
     # int8 experts take int8 activations at every accuracy level, int4 ones at level 4.
     int8 = precision.bits == 8 or precision.accuracy_level == 4
+    assert int8 == (precision.activations == "int8")
     for layer, route, a, y in zip(tensors, logits, [x, *outputs], outputs):
         w_in, _, w_out_t = weights_of(layer, precision.bits, block)
         expected = moe_reference(a.astype(np.float64), route, w_in, layer["b_in"], w_out_t, layer["b_out"], experts, k,
@@ -124,9 +126,11 @@ def test_ours_is_the_coverage_form_on_disjoint_windows(library, name, d, experts
     tensors = [moe_peer.layer_tensors(layer, precision.bits, block) for layer in random_layers(rng, d, pairing.hidden)]
     x = rng.standard_normal((TOKENS, d)).astype(np.float32)
     starts = [moe_peer.disjoint_starts(rng, TOKENS, k, units, pairing.hidden) for _ in range(LAYERS)]
-    outputs = layer_outputs(moe_peer.ours_model(tensors, pairing, precision.bits, block), True, x, starts, "starts")
+    outputs = layer_outputs(moe_peer.ours_model(tensors, pairing, precision.bits, block), precision.activations, x,
+                            starts, "starts")
     for layer, s, a, y in zip(tensors, starts, [x, *outputs], outputs):
         w_in, w_out, _ = weights_of(layer, precision.bits, block)
+        a = int8_rows(a) if precision.activations == "int8" else a  # x enters through w_in alone
         expected = continuous_slice_ffn(torch.from_numpy(a).double(), torch.from_numpy(s), torch.from_numpy(w_in),
                                         torch.from_numpy(layer["b_in"]).double(), torch.from_numpy(w_out),
                                         torch.from_numpy(layer["b_out"]).double(), units).numpy()
