@@ -1,10 +1,13 @@
-"""Serving on Triton (docs/guide/serving.md): the repository's configs against Triton's schema, and a
-real tritonserver (nvidia-pytriton's binary) on loopback, free ports, always stopped: greedy
-tokens = `infmoe-export run`, separate caches, 4xx for bad requests, dynamic batching under
-load, and recovery when the model's process is killed mid-load."""
+"""Serving on Triton (docs/guide/serving.md): the repository's configs against Triton's schema; the
+front model's KV-cache pool in this process against each sequence run alone; the preferred batch
+sizes' rule on synthetic curves; and a real tritonserver (nvidia-pytriton's binary) on loopback,
+free ports, always stopped: greedy tokens = `infmoe-export run`, concurrent streams = each alone,
+4xx for bad requests, dynamic batching under load, and recovery when the model's process is
+killed mid-load."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -12,6 +15,7 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -25,9 +29,13 @@ from infmoe_export.errors import InfMoEError  # noqa: E402
 from infmoe_export.options import export_choices  # noqa: E402
 from infmoe_export.runtimes.generate import generate  # noqa: E402
 from infmoe_export.runtimes.ort import OrtRunner  # noqa: E402
+from infmoe_export.export import export_onnx  # noqa: E402
+from infmoe_export.runtimes.ort import SharedCache, create_session  # noqa: E402
+from infmoe_export.serving import batching  # noqa: E402
 from infmoe_export.serving import config as cfg  # noqa: E402
+from infmoe_export.serving import tritonserver_model as front  # noqa: E402
 from infmoe_export.serving.client import FrontClient, ServingError, new_sequence_id  # noqa: E402
-from infmoe_export.serving.load import check_loopback, run_load  # noqa: E402
+from infmoe_export.serving.load import check_loopback, run_load, steady_rate  # noqa: E402
 from infmoe_export.serving.repository import build_repository, read_repository  # noqa: E402
 from infmoe_export.serving.server import TritonServer, pytriton_dist  # noqa: E402
 from tritonclient.grpc import model_config_pb2  # noqa: E402
@@ -43,7 +51,7 @@ def repository(tmp_path_factory):
     all-int4, each the onnxruntime target (exported and validated once)."""
     out = tmp_path_factory.mktemp("serving") / "repo"
     model = load_checkpoint(None)
-    build_repository(model, out, KS, export_choices(model.config, ["fp32", "int4"]))
+    build_repository(model, out, KS, export_choices(model.config, ["fp32", "int4"]))  # the batch curve measured
     return out
 
 
@@ -67,11 +75,18 @@ def test_every_config_parses_with_tritons_schema(repository):
     configs = sorted(repository.glob("*/config.pbtxt"))
     assert [c.parent.name for c in configs] == ["infmoe", "infmoe_k1_fp32", "infmoe_k1_int4", "infmoe_k8_fp32",
                                                  "infmoe_k8_int4"]
-    front = _parse(repository / "infmoe" / "config.pbtxt")
-    assert front.backend == "python" and front.max_batch_size == cfg.MAX_BATCH
-    assert front.sequence_batching.WhichOneof("strategy_choice") == "oldest"
-    assert front.parameters["default_precision"].string_value == "fp32"
-    assert sorted(cfg.routes_of(front)) == ["1/fp32", "1/int4", "8/fp32", "8/int4"]
+    front_config = _parse(repository / "infmoe" / "config.pbtxt")
+    assert front_config.backend == "python" and front_config.max_batch_size == cfg.MAX_BATCH
+    assert front_config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
+    oldest = front_config.sequence_batching.oldest
+    batch = read_repository(repository)["batching"]
+    curve = {int(b): ms for b, ms in batch["measured"]["ms_per_step"].items()}
+    assert sorted(curve) == list(batching.CURVE_BATCHES) and batch["measured"]["of"] == "onnxruntime fp32, K = 1, 8"
+    assert list(oldest.preferred_batch_size) == batch["preferred_batch_sizes"] == batching.preferred_batch_sizes(
+        curve, cfg.MAX_BATCH)
+    assert 1 in oldest.preferred_batch_size and oldest.max_candidate_sequences == cfg.MAX_BATCH
+    assert front_config.parameters["default_precision"].string_value == "fp32"
+    assert sorted(cfg.routes_of(front_config)) == ["1/fp32", "1/int4", "8/fp32", "8/int4"]
     for k in KS:
         for precision, label in (("fp32", "onnxruntime fp32"), ("int4", "onnxruntime all-int4")):
             name = f"infmoe_k{k}_{precision}"
@@ -95,6 +110,113 @@ def test_schema_is_strict_and_tensorrt_config_parses(repository):
     parsed = cfg.validate(cfg.tensorrt_model_config("infmoe_k1_fp32_trt", io), "trt")
     assert parsed.platform == "tensorrt_plan" and parsed.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
     assert parsed.input[2].dims == [-1, io.config.n_head, -1, io.config.head_dim]
+
+
+def alone(exported, chunks):
+    """The greedy token after each chunk of ids of one sequence, run alone: batch 1, the past fed
+    in and the present taken back (no shared buffer, no pool)."""
+    session = create_session(exported)
+    io, names = exported.io, [o.name for o in session.get_outputs()]
+    tokens, past, seen = [], None, 0
+    for chunk in chunks:
+        seen += len(chunk)
+        outputs = dict(zip(names, session.run(None, io.feed(np.array([chunk]), np.ones((1, seen), np.int64), past))))
+        past = [outputs[n.replace("past_key_values", "present")] for n in io.past_names]
+        tokens.append(int(np.argmax(outputs["logits"][0, -1, :front.BYTE_VOCAB])))
+    return tokens
+
+
+def pool_of(exported, rows=cfg.MAX_BATCH):
+    """The front model's pool for one model of the repository's layout, in this process."""
+    io, c = exported.io, exported.io.config
+    session = front.local_session(str(exported.path), 0)
+    runner = (front.SharedRunner(session, io.past_names) if io.shares_cache
+              else front.CopyRunner(front.session_infer(session), io.past_names))
+    runner.pool = front.Pool(runner, io.past_names, rows, c.n_head, c.n_positions, c.head_dim, c.vocab_size)
+    return runner.pool
+
+
+@pytest.fixture(scope="module")
+def portable(repository, tmp_path_factory):
+    """The bundled model's portable graph at K = 8, in the repository's layout (library beside)."""
+    folder = tmp_path_factory.mktemp("portable") / "infmoe_k8_fp32"
+    exported = export_onnx(load_checkpoint(None), folder / "1" / "model.onnx", k=8, target="portable")
+    (folder / front.LIBRARY).write_bytes((repository / "infmoe_k8_fp32" / front.LIBRARY).read_bytes())
+    return exported
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "portable"])
+def test_pool_steps_every_sequence_as_it_runs_alone(target, repository, portable, monkeypatch):
+    """Eleven sequences of odd prompt lengths stepped by the front model's pool in random subsets
+    (the others run ahead or stay masked), their clients mostly greedy, sometimes sending another
+    token or several: every answer is the token the sequence gives alone. Sequences end at
+    random (rows move), two fill the whole context (the pool compacts, then lets them go)."""
+    exported = portable if target == "portable" else ExportedModel.read(repository / "infmoe_k8_fp32/1/model.onnx")
+    pool, rng, n_positions = pool_of(exported), random.Random(7), exported.io.config.n_positions
+    compactions = []
+    compact = pool._compact
+    monkeypatch.setattr(pool, "_compact", lambda longest: compactions.append(longest) or compact(longest))
+    plans = []
+    for index, length in enumerate((1, 3, 9, 17, 40, 2, 5, 11, 23, 31, 7)):
+        limit = n_positions if index < 2 else length + rng.randint(5, 60)
+        plans.append({"sequence": front.Sequence("8/fp32"), "chunks": [[rng.randrange(256) for _ in range(length)]],
+                      "answers": [], "limit": limit, "held": length})
+    live = list(range(len(plans)))
+    while live:
+        chosen = [i for i in live if rng.random() < 0.5] or [rng.choice(live)]
+        steps = [front.Step(n, i, plans[i]["sequence"], np.array(plans[i]["chunks"][-1], np.int64),
+                            rng.random() < 0.3, False) for n, i in enumerate(chosen)]
+        pool.serve(steps)
+        for i, step in zip(chosen, steps):
+            plan = plans[i]
+            plan["answers"].append(step.token)
+            assert step.logits is None or int(np.argmax(step.logits[:front.BYTE_VOCAB])) == step.token
+            room = plan["limit"] - plan["held"]
+            if room == 0:
+                live.remove(i)
+                if plan["limit"] < n_positions:
+                    pool.release(plan["sequence"])
+                continue
+            draw = rng.random()
+            chunk = ([step.token] if draw < 0.8 else [rng.randrange(256)] if draw < 0.9
+                     else [rng.randrange(256) for _ in range(min(room, rng.randint(2, 4)))])
+            plan["held"] += len(chunk)
+            plan["chunks"].append(chunk)
+    for plan in plans:
+        assert plan["answers"] == alone(exported, plan["chunks"][:len(plan["answers"])])
+    assert compactions and pool.length <= n_positions
+
+
+def test_pool_refuses_more_sequences_than_rows(repository):
+    exported = ExportedModel.read(repository / "infmoe_k1_fp32/1/model.onnx")
+    pool = pool_of(exported, rows=2)
+    steps = [front.Step(i, i, front.Sequence("1/fp32"), np.array([65 + i], np.int64), False, False) for i in range(3)]
+    with pytest.raises(front.RequestError, match="all 2 sequence rows of this model are in use"):
+        pool.serve(steps)
+    assert pool.sequences == [] and pool.length == 0  # nothing half-done
+
+
+def test_preferred_batch_sizes_follow_the_curve():
+    """A rising curve: every size. A curve that falls from B = 4 on (a kernel's slower path):
+    the sizes before the fall. A dip within the noise allowance stays preferred; sizes between
+    measured ones are interpolated."""
+    rising = {1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0, 16: 19.0}
+    assert batching.preferred_batch_sizes(rising, 16) == list(range(1, 17))
+    cliff = {1: 4.15, 2: 6.39, 3: 9.29, 4: 56.3, 8: 64.5, 16: 75.1}  # tokens/s 241, 313, 323, 71, 124, 213
+    assert batching.preferred_batch_sizes(cliff, 16) == [1, 2, 3]
+    dip = {1: 10.0, 2: 21.0, 4: 24.0, 8: 30.0, 16: 45.0}  # B = 2: 95 tokens/s against 100 at B = 1
+    assert batching.preferred_batch_sizes(dip, 8) == list(range(1, 9))
+    late = {1: 10.0, 2: 12.0, 4: 14.0, 8: 16.0, 16: 70.0}  # past B = 8 (500 tokens/s): 9 / 22.75 ms = 396
+    assert batching.preferred_batch_sizes(late, 16) == list(range(1, 9))
+    with pytest.raises(InfMoEError, match="needs B = 1"):
+        batching.preferred_batch_sizes({2: 3.0, 4: 5.0}, 16)
+
+
+def test_steady_rate_counts_tokens_while_every_stream_decodes():
+    # two streams: the second starts late, the first ends early; tokens in (1.0, 2.0] only
+    assert steady_rate([[0.1, 0.5, 1.5, 2.0], [1.0, 1.2, 1.4, 2.0, 3.0]]) == 5.0
+    assert steady_rate([[0.1, 0.5], [1.0, 1.2]]) is None   # never all decoding at once
+    assert steady_rate([[0.1], [0.2, 0.3]]) is None
 
 
 def test_greedy_tokens_equal_run_for_k1_and_k8_in_one_server(server, repository):
@@ -132,31 +254,42 @@ def test_run_command_prints_what_the_server_generates(server, tmp_path):
     assert printed.rstrip(b"\n") == b"class A" + bytes(served)
 
 
-def test_concurrent_sequences_keep_separate_caches(server):
-    """Two sequences stepped alternately (and batched together by the server) each give the
-    tokens they give alone."""
+STREAMS = {b"x": 1, b"import os": 8, b"def main(": 1, b"class Tree(dict):\n    def": 8, bytes(range(40, 77)): 1}
+
+
+def test_concurrent_streams_each_give_their_tokens_alone(server, repository):
+    """Five streams of prompts from 1 to 37 bytes, K 1 and 8, each its own number of tokens:
+    stepped in turn from one client (the server batches them, runs idle ones ahead, and a stream
+    that asks for the logits gets those of its token), then from five threads at once. Every
+    stream gives the tokens its model gives it alone."""
+    counts = {prompt: 9 + len(prompt) % 7 for prompt in STREAMS}
+    expected = {}
+    for prompt, k in STREAMS.items():
+        model = ExportedModel.read(repository / f"infmoe_k{k}_fp32" / "1" / "model.onnx")
+        expected[prompt] = generate(OrtRunner(model.io, model), list(prompt), counts[prompt])
     client = FrontClient(server.http_url)
-    alone = {p: client.generate(list(p), k, 16) for p, k in ((b"import os", 1), (b"def main(", 8))}
-    a, b = new_sequence_id(), new_sequence_id()
-    out = {a: [], b: []}
-    ids = {a: list(b"import os"), b: list(b"def main(")}
-    ks = {a: 1, b: 8}
-    for step in range(16):
-        for seq in (a, b):
-            token, _ = client.step(seq, ids[seq], start=step == 0, end=step == 15, k=ks[seq] if step == 0 else None)
-            out[seq].append(token)
-            ids[seq] = [token]
-    assert out[a] == alone[b"import os"] and out[b] == alone[b"def main("]
-    # and truly concurrently, from threads
+    ids = {prompt: (new_sequence_id(), list(prompt)) for prompt in STREAMS}
+    out = {prompt: [] for prompt in STREAMS}
+    for step in range(max(counts.values())):
+        for prompt, k in STREAMS.items():
+            if step >= counts[prompt]:
+                continue
+            sequence, last = ids[prompt]
+            token, logits = client.step(sequence, last, start=step == 0, end=step == counts[prompt] - 1,
+                                        k=k if step == 0 else None, logits=len(prompt) % 2 == 1)
+            assert logits is None or int(np.argmax(logits[:front.BYTE_VOCAB])) == token
+            out[prompt].append(token)
+            ids[prompt] = (sequence, [token])
+    assert out == expected
     results = {}
 
     def worker(prompt, k):
-        results[prompt] = FrontClient(server.http_url).generate(list(prompt), k, 16)
+        results[prompt] = FrontClient(server.http_url).generate(list(prompt), k, counts[prompt])
 
-    threads = [threading.Thread(target=worker, args=(p, k)) for p, k in ((b"import os", 1), (b"def main(", 8))]
+    threads = [threading.Thread(target=worker, args=item) for item in STREAMS.items()]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
-    assert results == alone
+    assert results == expected
 
 
 @pytest.mark.parametrize("case, match", [
@@ -172,7 +305,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, case, match):
     client = FrontClient(server.http_url)
     with pytest.raises(ServingError, match=match) as error:
         client.step(new_sequence_id(), case["ids"], start=case["start"], k=case.get("k"))
-    assert error.value.status == "400"
+    assert error.value.status == "400" and "\n" not in str(error.value)
     assert len(client.generate(list(b"ok"), 1, 3)) == 3
 
 
@@ -258,14 +391,22 @@ def test_killed_model_process_recovers_and_no_request_is_lost(repository):
 def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
     """--dtype (or its older spelling --precision) int8: the all-int8 onnxruntime model, named in
     the output; the choice is checked before anything is written."""
-    code, out, err = run_cli("triton-repo", "--out", tmp_path / "repo", "--k", "1", "--precision", "int8")
+    code, out, err = run_cli("triton-repo", "--out", tmp_path / "repo", "--k", "1", "--precision", "int8",
+                             "--preferred-batch-sizes", "4,1,2")
     assert code == 0, err
-    assert read_repository(tmp_path / "repo")["routes"] == {"1/int8": {
+    written = read_repository(tmp_path / "repo")
+    assert written["routes"] == {"1/int8": {
         "onnx": "infmoe_k1_int8/1/model.onnx", "triton": "infmoe_k1_int8", "past_shape": "[4, 0, 32]",
-        "exported": "onnxruntime all-int8"}}
-    assert "(onnxruntime all-int8)" in out and "export K=1 onnxruntime all-int8" in err
+        "shared_cache": True, "exported": "onnxruntime all-int8"}}
+    assert written["batching"] == {"max_batch_size": cfg.MAX_BATCH, "preferred_batch_sizes": [1, 2, 4],
+                                   "measured": None}
+    assert list(_parse(tmp_path / "repo" / "infmoe" / "config.pbtxt").sequence_batching.oldest.preferred_batch_size) \
+        == [1, 2, 4]
+    assert "(onnxruntime all-int8); preferred batch sizes 1, 2, 4" in out and "export K=1 onnxruntime all-int8" in err
     for args, message in ((["--dtype", "fp32", "--quantize-other", "int4"], "applies to int8 / int4 models"),
-                          (["--dtype", "int4", "--block-size", "8"], "--block-size")):
+                          (["--dtype", "int4", "--block-size", "8"], "--block-size"),
+                          (["--preferred-batch-sizes", "1,32"], "--preferred-batch-sizes) must lie in 1..16"),
+                          (["--preferred-batch-sizes", "often"], "--preferred-batch-sizes must be")):
         code, _, err = run_cli("triton-repo", "--out", tmp_path / "bad", *args)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "bad").exists()
@@ -308,3 +449,25 @@ def test_cli_serve_and_triton_repo(repository, tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and result.stderr.count("\n") == 1 and "did not write" in result.stderr
     assert (user / "notes.txt").read_text() == "keep"
+
+
+def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
+    """benchmarks.serving (it runs for minutes: here its goals on made-up rounds and its arguments)."""
+    from benchmarks import serving as bench
+
+    def round_of(step_1, p50_1, step_16, steady_16):
+        row = {"tokens_per_s": 1.0, "steady_tokens_per_s": 1.0, "p50_ms": 1.0, "p95_ms": 1.0}
+        return {"session_ms": {"1": step_1, "16": step_16},
+                "server": {"1": {**row, "p50_ms": p50_1}, "4": row, "16": {**row, "steady_tokens_per_s": steady_16}}}
+
+    # overheads 1.0, 2.0, 0.5 ms -> 1.0; shares 0.9, 0.7, 0.85 of 200 tokens/s -> 0.85
+    rounds = [round_of(10.0, 11.0, 80.0, 180.0), round_of(12.0, 14.0, 80.0, 140.0), round_of(9.0, 9.5, 80.0, 170.0)]
+    verdicts = {goal["what"]: (goal["value"], goal["met"]) for goal in bench.goals(rounds)}
+    assert list(verdicts.values()) == [(1.0, True), (0.85, True)]
+    assert bench.summary(rounds)["session_tokens_per_s"]["16"] == 200.0
+    for argv, flag in ((["--tokens", "1"], "--tokens"), (["--rounds", "0"], "--rounds"),
+                       (["--threads", "x"], "--threads")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"argument {flag}" in err.strip().splitlines()[-1]

@@ -55,11 +55,13 @@ class FrontClient:
         self.client.close()
 
     def step(self, sequence_id: int, ids: Sequence[int], *, start: bool = False, end: bool = False,
-             k: Optional[int] = None, precision: Optional[str] = None):
-        """One step: (next greedy token, logits of the last position)."""
+             k: Optional[int] = None, precision: Optional[str] = None, logits: bool = True):
+        """One step: (next greedy token, logits of the last position, or None without `logits`:
+        the server then neither copies nor sends the vocabulary's floats)."""
         array = np.asarray([list(ids)], dtype=np.int64)
         tensor = self.module.InferInput("INPUT_IDS", list(array.shape), "INT64")
         tensor.set_data_from_numpy(array)
+        outputs = [self.module.InferRequestedOutput(name) for name in ("NEXT_TOKEN",) + (("LOGITS",) if logits else ())]
         parameters = {}
         if k is not None:
             parameters["k"] = k
@@ -67,13 +69,13 @@ class FrontClient:
             parameters["precision"] = precision
         kwargs = {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
         try:
-            result = self.client.infer(FRONT_MODEL, [tensor], sequence_id=sequence_id, sequence_start=start,
-                                       sequence_end=end, parameters=parameters or None, **kwargs)
+            result = self.client.infer(FRONT_MODEL, [tensor], outputs=outputs, sequence_id=sequence_id,
+                                       sequence_start=start, sequence_end=end, parameters=parameters or None, **kwargs)
         except self.module.InferenceServerException as error:
             raise ServingError(error.message(), error.status()) from None
         except Exception as error:  # connection reset, timeout: the request failed, said so
             raise ServingError(f"{type(error).__name__}: {error}") from None
-        return int(result.as_numpy("NEXT_TOKEN").reshape(-1)[0]), result.as_numpy("LOGITS")[0]
+        return int(result.as_numpy("NEXT_TOKEN").reshape(-1)[0]), result.as_numpy("LOGITS")[0] if logits else None
 
     def generate(self, prompt_ids: Sequence[int], k: int, max_new_tokens: int, *, precision: Optional[str] = None,
                  sequence_id: Optional[int] = None, on_token=None) -> List[int]:
@@ -86,7 +88,7 @@ class FrontClient:
             last = index == max_new_tokens - 1
             first = index == 0
             token, _ = self.step(sequence_id, ids, start=first, end=last, k=k if first else None,
-                                 precision=precision if first else None)
+                                 precision=precision if first else None, logits=False)
             tokens.append(token)
             if on_token is not None:
                 on_token(token)

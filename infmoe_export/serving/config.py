@@ -3,15 +3,19 @@
 unknown field, a wrong type or a misspelt enum is an error, never silently ignored."""
 
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from ..contract import DecoderIO
 from ..errors import InfMoEError
 
 FRONT_MODEL = "infmoe"
-# The front model batches this many sequences' steps into one onnxruntime call.
+# The front model holds the KV cache of this many sequences at once and steps them in one
+# onnxruntime call; Triton keeps further sequences waiting until one ends.
 MAX_BATCH = 16
 IDLE_SECONDS = 60
+# Only where no preferred batch size fits the requests waiting (preferred sizes without 1)
+# does the batcher wait for more, this long at most.
+MAX_QUEUE_DELAY_US = 500
 
 
 def require_schema():
@@ -74,11 +78,13 @@ def tensorrt_model_config(name: str, decoder_io: DecoderIO) -> str:
 
 
 def front_model_config(models: Dict[str, Dict[str, str]], decoder_io: DecoderIO, executor: str = "local",
-                       default_precision: str = "fp32") -> str:
+                       default_precision: str = "fp32", *, preferred_batch_sizes: Sequence[int]) -> str:
     """The decoding front model (Python backend, sequence batching, oldest-first strategy so that
-    the steps of different sequences are batched together). `models` maps "K/precision" to
+    the steps of different sequences are batched together, at most MAX_BATCH sequences live, the
+    preferred batch sizes those of batching.preferred_batch_sizes). `models` maps "K/precision" to
     {"onnx": path relative to the repository, "triton": the per-K model's name}; the expert
     budget and precision are request parameters (`k`, `precision`, default default_precision)."""
+    preferred = ", ".join(str(b) for b in sorted(set(preferred_batch_sizes)))
     routes, inputs, outputs = (_quote(json.dumps(v, sort_keys=True)) for v in (models, decoder_io.input_names, decoder_io.output_names))
     vocab_size, n_positions = decoder_io.config.vocab_size, decoder_io.config.n_positions
     return f"""name: "{FRONT_MODEL}"
@@ -98,7 +104,8 @@ sequence_batching {{
     {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
     {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
   ]
-  oldest {{ max_candidate_sequences: 64 preferred_batch_size: [ {MAX_BATCH} ] max_queue_delay_microseconds: 2000 }}
+  oldest {{ max_candidate_sequences: {MAX_BATCH} preferred_batch_size: [ {preferred} ]
+           max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US} }}
 }}
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 parameters {{ key: "routes" value {{ string_value: "{routes}" }} }}

@@ -20,6 +20,7 @@ from ..errors import InfMoEError
 from .client import FrontClient, ServingError, new_sequence_id
 
 PROMPTS = [b"import os", b"def main(", b"class A:", b"return self.", b"for i in range(", b"# The "]
+PERCENTILES = (50, 95, 99)  # of the ms per token, each request's wall time at the client
 
 
 def check_loopback(url: str) -> None:
@@ -35,64 +36,88 @@ def check_loopback(url: str) -> None:
 def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream: int = 4, tokens: int = 24,
              deadline_s: float = 120.0, protocol: str = "http", timeout: float = 30.0,
              precision: Optional[str] = None, during=None) -> Dict:
-    """One load level, every sequence at precision (default: the server's). `during(stop_event)`
-    runs in its own thread while the load runs (the fault test kills a process there). Returns the
-    figures and every failure."""
+    """One load level, every sequence at precision (default: the server's). The streams' clients
+    connect first, then all start together. `during(stop_event)` runs in its own thread while
+    the load runs (the fault test kills a process there). Returns the figures and every failure:
+    tokens_per_s over the whole run (prompts included), steady_tokens_per_s while every stream
+    is past its first token and none has finished (None when that never holds), and percentiles
+    of the ms per token."""
     check_loopback(url)
     latencies: List[float] = []
+    done_at: List[List[float]] = [[] for _ in range(streams)]  # each stream's completion times
     failures: List[str] = []
-    completed = [0]
     sent = [0]
     lock = threading.Lock()
     stop = threading.Event()
-    deadline = time.monotonic() + deadline_s
+    clients = [FrontClient(url, protocol, timeout) for _ in range(streams)]
+    together = threading.Barrier(streams + 1)
 
     def stream(index: int):
-        client = FrontClient(url, protocol, timeout)
-        try:
-            for n in range(sequences_per_stream):
-                if time.monotonic() > deadline:
-                    return
-                k = ks[(index + n) % len(ks)]
-                sequence_id, ids = new_sequence_id(), list(PROMPTS[(index + n) % len(PROMPTS)])
-                for step in range(tokens):
-                    began = time.perf_counter()
+        client = clients[index]
+        together.wait()
+        for n in range(sequences_per_stream):
+            if time.monotonic() > deadline:
+                return
+            k = ks[(index + n) % len(ks)]
+            sequence_id, ids = new_sequence_id(), list(PROMPTS[(index + n) % len(PROMPTS)])
+            for step in range(tokens):
+                began = time.perf_counter()
+                with lock:
+                    sent[0] += 1
+                try:
+                    first = step == 0
+                    token, _ = client.step(sequence_id, ids, start=first, end=step == tokens - 1,
+                                           k=k if first else None, precision=precision if first else None,
+                                           logits=False)
+                except ServingError as error:
                     with lock:
-                        sent[0] += 1
-                    try:
-                        first = step == 0
-                        token, _ = client.step(sequence_id, ids, start=first, end=step == tokens - 1,
-                                               k=k if first else None, precision=precision if first else None)
-                    except ServingError as error:
-                        with lock:
-                            failures.append(str(error)[:200])
-                        break  # the sequence is lost (its cache or the request); the next one starts anew
-                    with lock:
-                        latencies.append(time.perf_counter() - began)
-                        completed[0] += 1
-                    ids = [token]
-        finally:
-            client.close()
+                        failures.append(str(error)[:200])
+                    break  # the sequence is lost (its cache or the request); the next one starts anew
+                now = time.perf_counter()
+                with lock:
+                    latencies.append(now - began)
+                    done_at[index].append(now)
+                ids = [token]
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
     helper = threading.Thread(target=during, args=(stop,), daemon=True) if during else None
-    began = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    if helper:
-        helper.start()
-    for thread in threads:
-        thread.join(deadline_s + timeout + 5)
-    elapsed = time.perf_counter() - began
-    stop.set()
+    deadline = time.monotonic() + deadline_s
+    try:
+        for thread in threads:
+            thread.start()
+        together.wait()
+        began = time.perf_counter()
+        if helper:
+            helper.start()
+        for thread in threads:
+            thread.join(deadline_s + timeout + 5)
+        elapsed = time.perf_counter() - began
+    finally:
+        stop.set()
+        for client in clients:
+            client.close()
     if helper:
         helper.join(timeout)
     hung = sum(thread.is_alive() for thread in threads)
+    completed = sum(len(times) for times in done_at)
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
-    return {"streams": streams, "ks": list(ks), "precision": precision, "requests": sent[0], "completed": completed[0],
+    return {"streams": streams, "ks": list(ks), "precision": precision, "requests": sent[0], "completed": completed,
             "failed": len(failures), "hung_streams": hung, "seconds": round(elapsed, 3),
-            "tokens_per_s": round(completed[0] / elapsed, 2), "p50_ms": round(float(np.percentile(lat, 50)), 2),
-            "p99_ms": round(float(np.percentile(lat, 99)), 2), "failures": failures[:10]}
+            "tokens_per_s": round(completed / elapsed, 2), "steady_tokens_per_s": steady_rate(done_at),
+            **{f"p{q}_ms": round(float(np.percentile(lat, q)), 2) for q in PERCENTILES}, "failures": failures[:10]}
+
+
+def steady_rate(done_at: Sequence[Sequence[float]]) -> Optional[float]:
+    """Tokens per second between the moment every stream has its first token and the moment the
+    first stream has its last: every stream decoding, no ramp at either end. None when that
+    window is empty (a stream with one token or none, or streams that never overlapped)."""
+    if not done_at or any(len(times) < 2 for times in done_at):
+        return None
+    start, end = max(times[0] for times in done_at), min(times[-1] for times in done_at)
+    if end <= start:
+        return None
+    count = sum(start < t <= end for times in done_at for t in times)
+    return round(count / (end - start), 2)
 
 
 def main(argv: Optional[Sequence[str]] = None):
@@ -110,11 +135,12 @@ def main(argv: Optional[Sequence[str]] = None):
     rows = [run_load(args.url, int(s), ks, sequences_per_stream=args.sequences, tokens=args.tokens,
                      deadline_s=args.deadline, protocol=args.protocol, precision=args.precision)
             for s in args.streams.split(",")]
-    print("| streams | requests | completed | failed | tokens/s | p50 ms/token | p99 ms/token |")
-    print("|---|---|---|---|---|---|---|")
+    print("| streams | requests | completed | failed | tokens/s | steady tokens/s | p50 ms/token | p95 ms/token "
+          "| p99 ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['streams']} | {r['requests']} | {r['completed']} | {r['failed']} | {r['tokens_per_s']} | "
-              f"{r['p50_ms']} | {r['p99_ms']} |")
+              f"{r['steady_tokens_per_s']} | {r['p50_ms']} | {r['p95_ms']} | {r['p99_ms']} |")
     print(json.dumps(rows))
 
 

@@ -21,6 +21,7 @@ from ..export import export_onnx
 from ..files import atomic_write, check_replaceable_dir, staged_dir
 from ..runtimes.ort_kernel import custom_op_library
 from ..verify.validate import validate_onnx
+from . import batching
 from . import config as cfg
 
 EXECUTORS = ("local", "bls")
@@ -36,11 +37,18 @@ def _write_config(folder: Path, text: str) -> Path:
 def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoice], *,
                      engines: Optional[Path] = None, mount_path: Optional[str] = None, executor: str = "local",
                      kernel: bool = True, inputs: Sequence[Path] = (),
+                     preferred_batch_sizes: Optional[Sequence[int]] = None,
                      progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[str]]:
     """Write the repository: per K, one model per export choice (options.export_choices: what `run`
     runs), each served as the precision its --dtype names (the request parameter `precision`; the
-    first choice's when a request gives none). {"models": [...], "warnings": [...]}."""
+    first choice's when a request gives none). The front model's preferred batch sizes are
+    preferred_batch_sizes, or (None) those of the batched-decode curve measured now on the first
+    choice's models, ms per step summed over K (batching.py).
+    {"models": [...], "warnings": [...], "preferred_batch_sizes": [...]}."""
     cfg.require_schema()
+    if preferred_batch_sizes is not None and any(not 1 <= b <= cfg.MAX_BATCH for b in preferred_batch_sizes):
+        raise InfMoEError(f"preferred batch sizes (--preferred-batch-sizes) must lie in 1..{cfg.MAX_BATCH}, got "
+                          f"{', '.join(map(str, preferred_batch_sizes))}")
     out = check_replaceable_dir(Path(out), inputs=inputs)
     if not ks or any(k < 1 for k in ks):
         raise InfMoEError("--k needs positive expert budgets")
@@ -60,7 +68,7 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
     if kernel and (library is None or not library.is_file()):
         warnings.append("the kernel library is not installed: the onnxruntime models run on the fallback function")
         library = None
-    names, routes = [], {}
+    names, routes, measured = [], {}, []
     with staged_dir(out) as stage:
         for choice in choices:
             precision = choice.dtype
@@ -83,8 +91,11 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
                 past_shape = [decoder_io.config.n_head, 0, decoder_io.config.head_dim]
                 routes[f"{exported.k}/{precision}"] = {"onnx": f"{name}/1/model.onnx", "triton": name,
                                                        "past_shape": json.dumps(past_shape),
+                                                       "shared_cache": decoder_io.shares_cache,
                                                        "exported": exported.io.label}
                 names.append(name)
+                if choice is choices[0]:
+                    measured.append(exported)
                 front_io = decoder_io
         if manifest is not None:
             from ..runtimes.tensorrt.manifest import select_engine
@@ -98,16 +109,29 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
                 shutil.copy2(entry["path"], folder / "1" / "model.plan")
                 _write_config(folder, cfg.tensorrt_model_config(name, decoder_io))
                 names.append(name)
+        curve = None
+        if preferred_batch_sizes is None:
+            if progress:
+                progress(f"measure the batched decode of {choices[0].label} (B = "
+                         f"{', '.join(map(str, batching.CURVE_BATCHES))})")
+            curves = [batching.measure_curve(exported) for exported in measured]
+            curve = {b: sum(c[b] for c in curves) for b in batching.CURVE_BATCHES}
+            preferred_batch_sizes = batching.preferred_batch_sizes(curve, cfg.MAX_BATCH)
         front = stage / cfg.FRONT_MODEL
         (front / "1").mkdir(parents=True)
         source = resources.files("infmoe_export.serving").joinpath("tritonserver_model.py").read_text()
         atomic_write(front / "1" / "model.py", source)
-        _write_config(front, cfg.front_model_config(routes, front_io, executor, default_precision=precisions[0]))
+        _write_config(front, cfg.front_model_config(routes, front_io, executor, default_precision=precisions[0],
+                                                    preferred_batch_sizes=preferred_batch_sizes))
         names.insert(0, cfg.FRONT_MODEL)
+        batch = {"max_batch_size": cfg.MAX_BATCH, "preferred_batch_sizes": sorted(set(preferred_batch_sizes)),
+                 "measured": None if curve is None else {
+                     "of": f"{choices[0].label}, K = {', '.join(str(e.k) for e in measured)}",
+                     "past": batching.CURVE_PAST, "ms_per_step": {str(b): round(ms, 3) for b, ms in curve.items()}}}
         atomic_write(stage / "repository.json", json.dumps(
             {"front_model": cfg.FRONT_MODEL, "routes": routes, "models": names, "executor": executor,
-             "mount_path": mount, "kernel_library": library is not None}, indent=2) + "\n")
-    return {"models": names, "warnings": warnings}
+             "mount_path": mount, "kernel_library": library is not None, "batching": batch}, indent=2) + "\n")
+    return {"models": names, "warnings": warnings, "preferred_batch_sizes": batch["preferred_batch_sizes"]}
 
 
 def read_repository(path) -> dict:

@@ -1,0 +1,183 @@
+"""Serving against the session it serves: what `infmoe-export serve` adds to a decode step.
+
+    .venv/bin/python -m benchmarks.serving [--rounds 3] [--tokens 48] [--threads 2] [--repo REPO]
+                                           [--json benchmarks/results/serving.json]
+
+The GPT-2-Small-size ∞-MoE (shapes.SMALL, random weights) at all-int4, K = 2, the onnxruntime
+target, in a repository of `triton-repo` (serving.repository.build_repository, the preferred
+batch sizes measured as it does; or --repo, one written before) served by the local Triton
+(`serve`'s TritonServer) on loopback. Measured side by side, in the same rounds, in a shuffled
+order each round:
+
+- the plain session (onnxruntime + kernel, --threads) decoding on a shared cache at a past of
+  --past tokens: the median ms of a batch-1 step and of a B = 16 step;
+- the load test (serving.load.run_load) at 1, 4 and 16 concurrent streams, one sequence of
+  --tokens greedy tokens each after a short prompt (the past runs from about 10 to 10 + --tokens):
+  tokens/s over the whole run, steady tokens/s (while every stream decodes: after the last
+  stream's first token, the prompts' prefill, and before the first stream's last), and p50 / p95
+  ms per token at the client.
+
+Then the goals, each the median over rounds of the round's own figure (figures measured minutes
+apart on a shared machine are not paired): at 1 stream, p50 ms/token minus the session's batch-1
+step (goal <= 1.5 ms); at 16 streams, steady tokens/s over the session's B = 16 decode tokens/s
+(goal >= 0.8; both decode only).
+The server's onnxruntime runs with the same threads (INFMOE_SERVE_THREADS).
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from . import arguments, record
+
+STREAMS = (1, 4, 16)
+SESSION_BATCHES = (1, 16)
+K, PRECISION = 2, "int4"
+GOALS = {"p50 at 1 stream - session batch-1 step, ms": ("at most", 1.5),
+         "steady tokens/s at 16 streams / session B=16 tokens/s": ("at least", 0.8)}
+
+
+def build(scratch: Path, log) -> Path:
+    """The repository of the Small model at all-int4, K = 2 (export, validation, batch curve)."""
+    import torch
+
+    from infmoe_export.model import InfMoEGPT
+    from infmoe_export.options import export_choices
+    from infmoe_export.serving.repository import build_repository
+
+    from .shapes import SMALL
+
+    torch.manual_seed(0)
+    model = InfMoEGPT(SMALL).eval()
+    repo = scratch / "repository"
+    build_repository(model, repo, [K], export_choices(model.config, [PRECISION]), progress=log)
+    return repo
+
+
+def session_steps(repo: Path, past: int, threads: int) -> dict:
+    """{B: one decode step of B sequences at `past`} on the served model's own file."""
+    from infmoe_export.contract import ExportedModel
+    from infmoe_export.report.bench import text_tokens
+    from infmoe_export.runtimes.ort import SharedCache, create_session
+    from infmoe_export.serving.repository import read_repository
+
+    route = read_repository(repo)["routes"][f"{K}/{PRECISION}"]
+    exported = ExportedModel.read(repo / route["onnx"])
+    session = create_session(exported, providers=["CPUExecutionProvider"], intra_op_threads=threads)
+    steps = {}
+    for batch in SESSION_BATCHES:
+        ids = np.tile(text_tokens(past + 1)[None], (batch, 1))
+        cache = SharedCache(session, exported.io, batch)
+        cache.step(ids[:, :past])
+
+        def step(cache=cache, ids=ids):
+            cache.length = past
+            cache.step(ids[:, past:])
+        steps[batch] = step
+    return steps
+
+
+def goals(rounds: list) -> list:
+    """Each goal's median over rounds of the round's own figure."""
+    overhead = [r["server"]["1"]["p50_ms"] - r["session_ms"]["1"] for r in rounds]
+    share = [r["server"]["16"]["steady_tokens_per_s"] / (16e3 / r["session_ms"]["16"]) for r in rounds]
+    values = dict(zip(GOALS, (statistics.median(overhead), statistics.median(share))))
+    return [{"what": what, "value": round(values[what], 3), "goal": f"{word} {bound}",
+             "met": values[what] <= bound if word == "at most" else values[what] >= bound}
+            for what, (word, bound) in GOALS.items()]
+
+
+def summary(rounds: list) -> dict:
+    """Medians over rounds: the session's ms per step, the server's figures per stream count."""
+    session = {b: statistics.median(r["session_ms"][b] for r in rounds) for b in rounds[0]["session_ms"]}
+    server = {s: {key: statistics.median(r["server"][s][key] for r in rounds)
+                  for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms", "p95_ms")} for s in rounds[0]["server"]}
+    return {"session_ms": session, "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
+            "server": server}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rounds", type=arguments.count(1, 100), default=3, help="interleaved rounds")
+    parser.add_argument("--tokens", type=arguments.count(2, 512), default=48, help="greedy tokens per stream")
+    parser.add_argument("--past", type=arguments.count(1, 512), default=32, help="the session's cached tokens")
+    parser.add_argument("--steps", type=arguments.count(1, 1000), default=8, help="session steps per sample")
+    parser.add_argument("--threads", type=arguments.thread_count, default=2, help="onnxruntime threads, both sides")
+    parser.add_argument("--repo", type=Path, default=None,
+                        help="a repository of `triton-repo` holding K=2 all-int4 (default: built now)")
+    parser.add_argument("--json", type=Path, default=record.default_path("serving"), help="where to write the results")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from infmoe_export.report.timing import median_ms, settle
+    from infmoe_export.runtimes.ort_kernel import custom_op_library
+    from infmoe_export.serving.load import run_load
+    from infmoe_export.serving.repository import read_repository
+    from infmoe_export.serving.server import TritonServer
+
+    if custom_op_library() is None:
+        sys.exit("benchmarks.serving: the compiled kernel is not installed (docs/guide/onnxruntime.md)")
+    sys.stdout.reconfigure(line_buffering=True)
+
+    def log(what):
+        print(f"[serving] {what}")
+
+    os.environ["INFMOE_SERVE_THREADS"] = str(args.threads)
+    with tempfile.TemporaryDirectory(prefix="serving-") as scratch:
+        repo = args.repo or build(Path(scratch), log)
+        batching = read_repository(repo).get("batching")
+        steps = session_steps(repo, args.past, args.threads)
+        samplers = {f"session B={b}": (lambda b=b: median_ms(steps[b], args.steps)) for b in SESSION_BATCHES}
+        samplers.update({f"server {s} streams": (lambda s=s: run_load(
+            url, s, [K], sequences_per_stream=1, tokens=args.tokens, precision=PRECISION, deadline_s=600))
+            for s in STREAMS})
+        rounds = []
+        with TritonServer(repo) as server:
+            url = server.http_url
+            run_load(url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # load the sessions' pages
+            order = list(samplers)
+            for number in range(args.rounds):
+                random.Random(number).shuffle(order)
+                found = {}
+                for name in order:
+                    settle()
+                    found[name] = samplers[name]()
+                    log(f"round {number + 1}: {name}: " + (f"{found[name]:.2f} ms" if isinstance(found[name], float)
+                        else f"{found[name]['tokens_per_s']} tokens/s, p50 {found[name]['p50_ms']} ms"))
+                failed = [f for s in STREAMS for f in found[f"server {s} streams"]["failures"]]
+                if failed:
+                    sys.exit(f"benchmarks.serving: the load test had failures: {failed[0]}")
+                rounds.append({"session_ms": {str(b): found[f"session B={b}"] for b in SESSION_BATCHES},
+                               "server": {str(s): found[f"server {s} streams"] for s in STREAMS},
+                               "load_average": list(os.getloadavg())})
+    result = {"model": f"GPT-2-Small-size ∞-MoE, onnxruntime all-int4, K = {K}", "options": {**vars(args),
+              "json": str(args.json), "repo": str(args.repo) if args.repo else None},
+              "batching": batching, "rounds": rounds, "median": summary(rounds), "goals": goals(rounds)}
+    print_result(result)
+    print(f"results: {record.save(args.json, 'serving', result, args.threads)}")
+
+
+def print_result(result: dict) -> None:
+    median = result["median"]
+    print(f"session: batch-1 step {median['session_ms']['1']:.2f} ms, B=16 step {median['session_ms']['16']:.2f} ms "
+          f"({median['session_tokens_per_s']['16']:.1f} tokens/s)")
+    print("| streams | tokens/s | steady tokens/s | p50 ms/token | p95 ms/token |")
+    print("|---|---|---|---|---|")
+    for streams, row in median["server"].items():
+        print(f"| {streams} | {row['tokens_per_s']:.1f} | {row['steady_tokens_per_s']:.1f} | {row['p50_ms']:.2f} | "
+              f"{row['p95_ms']:.2f} |")
+    for goal in result["goals"]:
+        print(f"{goal['what']}: {goal['value']} (goal {goal['goal']}: {'met' if goal['met'] else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()
