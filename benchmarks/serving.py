@@ -15,13 +15,15 @@ order each round:
   --tokens greedy tokens each after a short prompt (the past runs from about 10 to 10 + --tokens):
   tokens/s over the whole run, steady tokens/s (while every stream decodes: after the last
   stream's first token, the prompts' prefill, and before the first stream's last), and p50 / p95
-  ms per token at the client.
+  ms per token at the client; and from Triton's metrics, per request, the ms it spent in the
+  server, queued there and in the front model's execute (the rest of p50 is the client and
+  loopback HTTP).
 
-Then the goals, each the median over rounds of the round's own figure (figures measured minutes
-apart on a shared machine are not paired): at 1 stream, p50 ms/token minus the session's batch-1
-step (goal <= 1.5 ms); at 16 streams, steady tokens/s over the session's B = 16 decode tokens/s
-(goal >= 0.8; both decode only).
-The server's onnxruntime runs with the same threads (INFMOE_SERVE_THREADS).
+Then the goals, each the median over rounds of the round's own figure (a round's figures are
+measured within a minute of each other; rounds on a shared machine may be far apart): at 1
+stream, p50 ms/token minus the session's batch-1 step (goal <= 1.5 ms); at 16 streams, steady
+tokens/s over the session's B = 16 decode tokens/s (goal >= 0.8; both decode only). The
+server's onnxruntime runs with the same threads (INFMOE_SERVE_THREADS).
 """
 
 import argparse
@@ -83,6 +85,35 @@ def session_steps(repo: Path, past: int, threads: int) -> dict:
     return steps
 
 
+SERVER_TIMES = ("request_duration", "queue_duration", "compute_input_duration", "compute_infer_duration",
+                "compute_output_duration")
+
+
+def server_counters(metrics_url: str) -> dict:
+    """The front model's cumulative counters from Triton's metrics: requests, executions, and
+    microseconds per part of a request's time in the server."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition('{model="infmoe",version="1"} ')
+        if value and name.startswith("nv_inference_"):
+            found[name[len("nv_inference_"):]] = float(value)
+    return found
+
+
+def server_share(before: dict, after: dict) -> dict:
+    """Per request between two readings: ms in the server (and in its queue, in the front model's
+    execute, moving inputs and outputs), and requests per execution."""
+    requests = after["request_success"] - before["request_success"]
+    shares = {f"{key.replace('_duration', '')}_ms": round((after[f"{key}_us"] - before[f"{key}_us"]) / requests / 1e3,
+                                                          3) for key in SERVER_TIMES}
+    executions = after["exec_count"] - before["exec_count"]
+    return {**shares, "requests_per_execution": round((after["count"] - before["count"]) / executions, 2)}
+
+
 def goals(rounds: list) -> list:
     """Each goal's median over rounds of the round's own figure."""
     overhead = [r["server"]["1"]["p50_ms"] - r["session_ms"]["1"] for r in rounds]
@@ -98,8 +129,10 @@ def summary(rounds: list) -> dict:
     session = {b: statistics.median(r["session_ms"][b] for r in rounds) for b in rounds[0]["session_ms"]}
     server = {s: {key: statistics.median(r["server"][s][key] for r in rounds)
                   for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms", "p95_ms")} for s in rounds[0]["server"]}
+    in_server = {s: {key: statistics.median(r["server"][s]["in_server"][key] for r in rounds)
+                     for key in rounds[0]["server"][s]["in_server"]} for s in rounds[0]["server"]}
     return {"session_ms": session, "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
-            "server": server}
+            "server": server, "in_server": in_server}
 
 
 def parse_args(argv=None):
@@ -137,9 +170,14 @@ def main(argv=None):
         batching = read_repository(repo).get("batching")
         steps = session_steps(repo, args.past, args.threads)
         samplers = {f"session B={b}": (lambda b=b: median_ms(steps[b], args.steps)) for b in SESSION_BATCHES}
-        samplers.update({f"server {s} streams": (lambda s=s: run_load(
-            url, s, [K], sequences_per_stream=1, tokens=args.tokens, precision=PRECISION, deadline_s=600))
-            for s in STREAMS})
+
+        def load(streams):
+            before = server_counters(server.metrics_url)
+            row = run_load(server.http_url, streams, [K], sequences_per_stream=1, tokens=args.tokens,
+                           precision=PRECISION, deadline_s=600)
+            return {**row, "in_server": server_share(before, server_counters(server.metrics_url))}
+
+        samplers.update({f"server {s} streams": (lambda s=s: load(s)) for s in STREAMS})
         rounds = []
         with TritonServer(repo) as server:
             url = server.http_url
@@ -175,6 +213,11 @@ def print_result(result: dict) -> None:
     for streams, row in median["server"].items():
         print(f"| {streams} | {row['tokens_per_s']:.1f} | {row['steady_tokens_per_s']:.1f} | {row['p50_ms']:.2f} | "
               f"{row['p95_ms']:.2f} |")
+    print("per request in the server (Triton's metrics), ms: | streams | in the server | queued | execute "
+          "| requests per execute |")
+    for streams, row in median["in_server"].items():
+        print(f"| {streams} | {row['request_ms']:.2f} | {row['queue_ms']:.2f} | {row['compute_infer_ms']:.2f} | "
+              f"{row['requests_per_execution']:.2f} |")
     for goal in result["goals"]:
         print(f"{goal['what']}: {goal['value']} (goal {goal['goal']}: {'met' if goal['met'] else 'missed'})")
 

@@ -456,7 +456,8 @@ def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
     from benchmarks import serving as bench
 
     def round_of(step_1, p50_1, step_16, steady_16):
-        row = {"tokens_per_s": 1.0, "steady_tokens_per_s": 1.0, "p50_ms": 1.0, "p95_ms": 1.0}
+        row = {"tokens_per_s": 1.0, "steady_tokens_per_s": 1.0, "p50_ms": 1.0, "p95_ms": 1.0,
+               "in_server": {"request_ms": 1.0, "queue_ms": 0.1, "compute_infer_ms": 0.8, "requests_per_execution": 1}}
         return {"session_ms": {"1": step_1, "16": step_16},
                 "server": {"1": {**row, "p50_ms": p50_1}, "4": row, "16": {**row, "steady_tokens_per_s": steady_16}}}
 
@@ -465,6 +466,11 @@ def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
     verdicts = {goal["what"]: (goal["value"], goal["met"]) for goal in bench.goals(rounds)}
     assert list(verdicts.values()) == [(1.0, True), (0.85, True)]
     assert bench.summary(rounds)["session_tokens_per_s"]["16"] == 200.0
+    before = {"request_success": 10, "count": 10, "exec_count": 4, **{f"{k}_us": 0.0 for k in bench.SERVER_TIMES}}
+    after = {**before, "request_success": 30, "count": 30, "exec_count": 9, "request_duration_us": 50_000.0,
+             "queue_duration_us": 4_000.0}
+    share = bench.server_share(before, after)
+    assert (share["request_ms"], share["queue_ms"], share["requests_per_execution"]) == (2.5, 0.2, 4.0)
     for argv, flag in ((["--tokens", "1"], "--tokens"), (["--rounds", "0"], "--rounds"),
                        (["--threads", "x"], "--threads")):
         with pytest.raises(SystemExit) as exit_info:
