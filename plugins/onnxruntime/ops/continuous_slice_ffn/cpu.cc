@@ -17,8 +17,8 @@
 // paths with every row covered and nothing after the dot products.
 // With int8 activations (QContinuousSliceFFN, session option infmoe.activations = int8) x is
 // quantized once per call (common/int8_dots.h) and every path multiplies it: the integer path
-// (the batched one with w_in's dots in integers; w_out's products, over rows, stay float) or,
-// dequantized, the float ones.
+// (the GEMV's structure for one token, the batched one's for more, with w_in's dots in integers;
+// w_out's products, over rows, stay float) or, dequantized, the float ones.
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
 // so every bit of the result) is the same for any number of threads.
 // Compiled once per CPU variant (common/variant.h).
@@ -80,9 +80,24 @@ void Merge(std::vector<Range>& windows, int64_t gap) {
   windows.resize(runs);
 }
 
+// A format's bits a weight when quantized, else 0.
+template <class Format>
+constexpr int kBitsOf = 0;
+template <int Bits, typename T>
+constexpr int kBitsOf<QuantRows<Bits, T>> = Bits;
+
+// dots[i] = token t . row lo + i of w_in for i < rows, as integer dots on xq (int8 activations).
+template <class Format>
+void IntDotsOf(const QuantizedTokens& xq, const int64_t* token, int64_t n, const Format& w_in, int64_t lo, int64_t rows,
+               float* dots) {
+  if constexpr (kBitsOf<Format> != 0) IntDots(xq, token, n, w_in, int64_t{Format::kWidth} << w_in.block_shift, lo, rows, dots, rows);
+}
+
+// With xq (int8 activations, whole groups of 32 columns) w_in's dots are integer ones
+// (common/int8_dots.h).
 template <typename T, class Format>
-void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& format_in, const T* b_in,
-            const Format& format_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+void Decode(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& format_in,
+            const T* b_in, const Format& format_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   const auto& w_in = DecodeRows(format_in);
   const auto& w_out = DecodeRows(format_out);
   using Rows = std::decay_t<decltype(w_in)>;
@@ -128,7 +143,11 @@ void Decode(const Sizes& s, const T* x, const int64_t* starts, const Format& for
     Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo;
-    DotChunk(w_in, c.lo, rows, xt, full, tail, hidden);
+    if (xq) {
+      IntDotsOf(*xq, &c.token, 1, format_in, c.lo, rows, hidden);
+    } else {
+      DotChunk(w_in, c.lo, rows, xt, full, tail, hidden);
+    }
     for (int64_t i = 0; i < rows; ++i) hidden[i] += ToFloat(b_in[c.lo + i]);
     Eigen::Map<Eigen::ArrayXf> h(hidden, rows);
     GeluTanh(h);
@@ -223,12 +242,6 @@ constexpr int64_t kItemRows = 256;
 // per token and item (at most this many tokens x H / kItemRows x D floats).
 constexpr int64_t kBatchedMaxTokens = 256;
 
-// A format's bits a weight when quantized, else 0.
-template <class Format>
-constexpr int kBitsOf = 0;
-template <int Bits, typename T>
-constexpr int kBitsOf<QuantRows<Bits, T>> = Bits;
-
 // A few to a few dozen tokens: per work item, every block of kBlockRows rows is read once (as
 // floats, common/batched.h) for all the tokens whose windows reach into it: their dots, bias,
 // GELU and coverage, then their partial outputs. A token's output is b_out plus its partials in
@@ -280,10 +293,9 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
       if (n == 0) continue;
       int64_t ld = 0;
       hidden.resize(n * rows);
-      if constexpr (kBitsOf<Format> != 0) {
-        if (xq) IntDots(*xq, covering.data(), n, w_in, int64_t{Format::kWidth} << w_in.block_shift, lo, rows, hidden.data(), rows);
-      }
-      if (!xq) {
+      if (xq) {
+        IntDotsOf(*xq, covering.data(), n, w_in, lo, rows, hidden.data());
+      } else {
         const float* block = FloatBlock(w_in, lo, hi, scratch_in, &ld);
         Dots(xs_of.data(), n, block, ld, rows, depth, hidden.data(), rows);
       }
@@ -324,8 +336,10 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     return Compute(s, dequantized.data(), nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for, path);
   }
   switch (path) {
-    case Path::kInteger: return BatchedDecode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-    case Path::kGemv: return Decode(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kInteger:  // the GEMV's structure for one token, the batched one's for more
+      if (s.tokens == 1) return Decode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+      return BatchedDecode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kGemv: return Decode(s, x, nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kBatched: return BatchedDecode(s, x, nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kPrefill: return Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   }
@@ -386,7 +400,8 @@ void Run(const Sizes& s, const T* x, const int64_t* starts, const T* w_in, const
   const FloatRows<T> in{w_in, s.d}, out{w_out, s.d};
   const Path path = PathFor<T, false>(s, in, out);
   if (IntelStreams() && path == Path::kGemv) {
-    Decode(s, x, starts, FloatRows<T, true>{w_in, s.d}, b_in, FloatRows<T, true>{w_out, s.d}, b_out, y, parallel_for);
+    Decode(s, x, nullptr, starts, FloatRows<T, true>{w_in, s.d}, b_in, FloatRows<T, true>{w_out, s.d}, b_out, y,
+           parallel_for);
   } else {
     Compute(s, x, nullptr, starts, in, b_in, out, b_out, y, parallel_for, path);
   }
