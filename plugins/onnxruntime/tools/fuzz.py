@@ -3,8 +3,9 @@ infmoe::DecoderAttention, infmoe::WindowStarts and infmoe::StepInputs through on
 for the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows: 30% of the cases for each expert op, 15% each for QMatMul (half of them with int8
-activations) and DecoderAttention (caches
+windows: 30% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (half
+of the quantized ops' cases with int8 activations; a quarter of the quantized expert op's D whole
+32-column groups, its integer path) (caches
 of up to 300 positions, rows of different lengths, past absent; invalid: a dimension changed,
 seqlens_k out of range, total_sequence_length 0, a wrong element type), 5% WindowStarts (eps
 shared or per token; invalid: a dimension changed, slice_width outside [1, H], a wrong element
@@ -98,6 +99,8 @@ def random_case(rng, quantized):
     # Mostly short rows; a fifth up to 400 columns: several 64-byte groups of a quantized row
     # (the AVX-512 int4 decode reads rows in groups of 128 columns).
     d = int(rng.integers(1, 80)) if rng.random() < 0.8 else int(rng.integers(80, 400))
+    if quantized and rng.random() < 0.25:
+        d = 32 * max(1, d // 32)
     h = r if rng.random() < 0.15 else r + int(rng.integers(0, 200))
     k = int(rng.integers(1, 10))
     dtype = np.float16 if rng.random() < 0.2 else np.float32
@@ -302,9 +305,11 @@ def random_step_case(rng):
     return feeds, None if ok else "shape"
 
 
-def reference(feeds, r, bits, block):
+def reference(feeds, r, bits, block, activations="float"):
     tensors = [torch.from_numpy(v) for v in feeds.values()]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
+    if activations == "int8" and block % 32 == 0:  # 16-column blocks: float
+        tensors[0] = int8_activations(tensors[0])
     if bits is None:
         return continuous_slice_ffn(*tensors, r).numpy()
     return q_continuous_slice_ffn(*tensors, r, bits, block).numpy()
@@ -365,7 +370,7 @@ def main():
             make_model = lambda: op_model(r, "float16" if dtype == np.float16 else "float32", bits=bits,  # noqa: E731
                                           **({} if block is None else dict(block_size=block)))
         threads = int(rng.integers(1, 3))
-        activations = "int8" if kind == "matmul" and rng.random() < 0.5 else "float"
+        activations = "int8" if kind in ("matmul", "quantized") and rng.random() < 0.5 else "float"
         try:
             outputs = session(feeds, key, make_model, threads, activations).run(None, feeds)
             y, error = outputs[0], None
@@ -402,7 +407,7 @@ def main():
                 a = int8_activations(a).double()
             ref = q_matmul(a, tensors["B"], tensors["scales"].double(), attributes["bits"], attributes["block_size"]).numpy()
         else:
-            ref = reference(feeds, r, bits, block)
+            ref = reference(feeds, r, bits, block, activations)
         scale = max(float(np.abs(ref).max()), 1.0) if ref.size else 1.0
         tolerance = 2e-3 if dtype == np.float16 else 1e-5
         if y.shape != ref.shape or (ref.size and np.abs(y.astype(np.float64) - ref).max() > tolerance * scale):
