@@ -1,4 +1,5 @@
-"""The README's results table, generated from benchmarks/results/peers.json.
+"""The README's results table, generated from benchmarks/results/peers.json (and, below it, the
+bundled-scale quality comparison of benchmarks/results/moe_quality.json when present).
 
 The side-by-side run as one Markdown table, with the machine, the date and the versions that
 measured it, and the goals it judged.
@@ -97,6 +98,33 @@ def markdown(result: dict, source: str) -> str:
     return "\n".join(lines)
 
 
+def quality_lines(results: Path) -> List[str]:
+    """∞-MoE against the conventional MoE on held-out text (benchmarks.moe_quality), one line per
+    pairing the issue of the paper's comparison names: K = 2 against top-2, K = 1 against top-1."""
+    path = results / "moe_quality.json"
+    if not path.is_file():
+        return []
+    try:
+        rows = {(r["model"], r["k"]): r for r in json.loads(path.read_text())["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise TableError(f"{path} is not a results file of benchmarks.moe_quality: {error}") from None
+
+    def cell(row):
+        spread = "" if row["spread"] is None else f" ± {row['spread']:.3f}"
+        seeds = len(row["perplexities"])
+        return f"{row['mean']:.3f}{spread} ({seeds} seed{'s' * (seeds > 1)})"
+
+    lines = []
+    for k in (2, 1):
+        ours, theirs = rows.get(("∞-MoE", k)), rows.get((f"moe top-{k}", k))
+        if ours and theirs:
+            lines.append(f"- held-out perplexity, ∞-MoE K={k}: {cell(ours)}; conventional MoE top-{k}: {cell(theirs)}")
+    if lines:
+        lines = ["", "Quality at the bundled scale (H 1024, same training command; from "
+                 "`benchmarks/results/moe_quality.json`, lower is better):", ""] + lines
+    return lines
+
+
 def replace_block(readme: str, block: str) -> str:
     begin, end = readme.find(BEGIN), readme.find(END)
     if begin < 0 or end < 0 or end < begin:
@@ -112,7 +140,8 @@ def main(argv=None):
     parser.add_argument("--print", action="store_true", help="print the block instead of rewriting the README")
     args = parser.parse_args(argv)
     try:
-        block = markdown(load(args.results, SOURCE), f"benchmarks/results/{SOURCE}.json")
+        block = "\n".join([markdown(load(args.results, SOURCE), f"benchmarks/results/{SOURCE}.json"),
+                           *quality_lines(args.results)])
         if args.print:
             print(block)
             return

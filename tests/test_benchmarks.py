@@ -11,7 +11,8 @@ import pytest
 from benchmarks import record
 from infmoe_export.report.timing import cycling, paired_ratio, rounds, sampled_rounds
 
-SCRIPTS = ["ort", "op", "qop", "decode", "k_latency", "quant_model", "qmatmul", "quant_quality", "peers", "table", "llama"]
+SCRIPTS = ["ort", "op", "qop", "decode", "k_latency", "quant_model", "qmatmul", "quant_quality", "peers", "table", "llama",
+           "moe_quality"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -86,3 +87,14 @@ def test_sampled_rounds_probe_before_every_sample(monkeypatch):
                                      3, probe=lambda: events.append("probe") or 9.0)
     assert samples == {"x": [1.0] * 3, "y": [2.0] * 3} and probed == [9.0] * 6
     assert events[::2] == ["probe"] * 6
+
+
+def test_moe_quality_groups_seeds_into_mean_and_spread():
+    from benchmarks import moe_quality
+
+    records = [{"model": "∞-MoE", "k": 2, "seed": s, "perplexity": p} for s, p in ((0, 4.0), (1, 5.0), (2, 6.0))]
+    records.append({"model": "moe top-2", "k": 2, "seed": 0, "perplexity": 4.5})
+    rows = moe_quality.summary(records)
+    assert [(r["model"], r["k"]) for r in rows] == [("∞-MoE", 2), ("moe top-2", 2)]
+    assert rows[0]["seeds"] == [0, 1, 2] and rows[0]["mean"] == pytest.approx(5.0) and rows[0]["spread"] == pytest.approx(1.0)
+    assert rows[1]["spread"] is None  # one seed: no spread, not a zero

@@ -246,3 +246,20 @@ def test_our_contender_times_decode_batches_and_prefill(tmp_path, precision):
     samples = peers.timed([contender], lambda c: c.batched(8, 2), rounds=2, steps=2)
     assert len(samples["tiny"]) == 2 and all(ms > 0 for ms in samples["tiny"])
     assert contender.describe()["file_bytes"] > 0
+
+
+def test_table_states_the_quality_comparison_whichever_way_it_falls(tmp_path):
+    results = write_results(tmp_path / "results", fake_result())
+    rows = [{"model": "∞-MoE", "k": 2, "mean": 4.9, "spread": 0.05, "perplexities": [4.85, 4.9, 4.95]},
+            {"model": "moe top-2", "k": 2, "mean": 4.7, "spread": 0.02, "perplexities": [4.68, 4.7, 4.72]},
+            {"model": "∞-MoE", "k": 1, "mean": 5.5, "spread": None, "perplexities": [5.5]},
+            {"model": "moe top-1", "k": 1, "mean": 4.6, "spread": None, "perplexities": [4.6]}]
+    (results / "moe_quality.json").write_text(json.dumps({"rows": rows}))
+    table.main(["--results", str(results), "--print"])
+    lines = table.quality_lines(results)
+    assert "- held-out perplexity, ∞-MoE K=2: 4.900 ± 0.050 (3 seeds); conventional MoE top-2: 4.700 ± 0.020 (3 seeds)" in lines
+    assert "- held-out perplexity, ∞-MoE K=1: 5.500 (1 seed); conventional MoE top-1: 4.600 (1 seed)" in lines
+    (results / "moe_quality.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        table.main(["--results", str(results), "--print"])
+    assert "not a results file of benchmarks.moe_quality" in str(exit_info.value.code)
