@@ -67,8 +67,9 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from infmoe_export.contract import DOMAIN, OP_TYPE
+from infmoe_export.contract import DOMAIN, MS_DOMAIN, OP_TYPE
 from infmoe_export.errors import InfMoEError
+from infmoe_export.export.moe import FLOAT_INPUTS, QUANTIZED_INPUTS, moe_attributes
 from infmoe_export.limits import check_fits
 from infmoe_export.quant import Q_OP_TYPE, QuantizedWeight, expert_bytes
 from infmoe_export.report.timing import cycling, last_level_cache_bytes, paired_ratio, rounds
@@ -78,7 +79,6 @@ from . import arguments, record
 from .sessions import op_session, use_shared_pool
 from .shapes import BLOCK, D, H, LAYERS
 
-MS_DOMAIN = "com.microsoft"
 ROUTINGS = 8          # routings cycled per measurement, so no call reads only what the last one did
 CACHE_FALLBACK = 32 << 20  # where the kernel reports no cache size
 WEIGHT_SCALE = 0.02   # the random weights' spread (as benchmarks.op's)
@@ -121,9 +121,6 @@ GOALS = {"decode": 1.5, "batched": 1.0, "prefill": 1.0}
 
 OURS_FLOAT = ("w_in", "b_in", "w_out", "b_out")
 OURS_QUANTIZED = ("w_in_q", "w_in_scale", "b_in", "w_out_q", "w_out_scale", "b_out")
-THEIRS_FLOAT = ("fc1_experts_weights", "fc1_experts_bias", "fc2_experts_weights", "fc2_experts_bias")
-THEIRS_QUANTIZED = ("fc1_experts_weights", "fc1_scales", "fc1_experts_bias", "fc2_experts_weights", "fc2_scales",
-                    "fc2_experts_bias")
 
 
 def random_layer(rng: np.random.Generator, d: int, h: int) -> Dict[str, np.ndarray]:
@@ -203,11 +200,10 @@ def theirs_model(layers: List[Dict[str, np.ndarray]], pairing: Pairing, bits: Op
     pairing.experts experts, top pairing.k, softmax over the picked logits, tanh GELU; routing
     inputs logits_l float [T, E]."""
     layers = [theirs_tensors(t, pairing.experts, bits) for t in layers]
-    attributes = dict(k=pairing.k, activation_type="gelu", normalize_routing_weights=1)
+    attributes = moe_attributes(pairing.k, 1, bits, block, accuracy_level)
     if bits is None:
-        return _chain("MoE", MS_DOMAIN, "logits", TensorProto.FLOAT, THEIRS_FLOAT, layers, attributes)
-    return _chain("QMoE", MS_DOMAIN, "logits", TensorProto.FLOAT, THEIRS_QUANTIZED, layers,
-                  dict(attributes, expert_weight_bits=bits, block_size=block, accuracy_level=accuracy_level))
+        return _chain("MoE", MS_DOMAIN, "logits", TensorProto.FLOAT, FLOAT_INPUTS, layers, attributes)
+    return _chain("QMoE", MS_DOMAIN, "logits", TensorProto.FLOAT, QUANTIZED_INPUTS, layers, attributes)
 
 
 def disjoint_starts(rng: np.random.Generator, tokens: int, k: int, r: int, h: int) -> np.ndarray:

@@ -27,11 +27,18 @@ import numpy as np
 import onnx
 
 from .errors import InfMoEError
-from .model import NOISE_MODES, InfMoEConfig, Output
+from .model import NOISE_MODES, InfMoEConfig, MoEConfig, Output, config_from_dict
 from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, Q_OP_TYPE, check_block_size
 
 # The custom op (SPEC §4): TensorRT finds its plugin by these, onnxruntime its kernel.
 DOMAIN, OP_TYPE, OP_VERSION = "infmoe", "ContinuousSliceFFN", 1
+# onnxruntime's contrib domain, and its expert ops a conventional-MoE export writes (export/moe.py),
+# each with a standard-op fallback function like ours.
+MS_DOMAIN = "com.microsoft"
+MOE_OP_TYPES = ("MoE", "QMoE")
+# What a conventional MoE's export (model_type moe-gpt2) supports: its experts are onnxruntime's
+# MoE / QMoE, which have no TensorRT plugin, and its float16 form is not exported.
+MOE_DTYPES, MOE_TARGETS = ("fp32", "int8", "int4"), ("portable", "onnxruntime")
 
 # Far beyond any useful budget (K = H - r + 1 quantile samples already place a window at every
 # start); the bound keeps a mistyped K from allocating gigabytes of noise and starts.
@@ -67,7 +74,7 @@ def precision_name(dtype: str, quantize_other: str = "none") -> str:
 
 @dataclass(frozen=True)
 class DecoderIO:
-    config: InfMoEConfig
+    config: Union[InfMoEConfig, MoEConfig]
     k: int
     noise: str = "quantile"
     past: bool = True
@@ -89,6 +96,28 @@ class DecoderIO:
         check_block_size(self.block_size)
         if self.target not in TARGETS:
             raise InfMoEError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.is_moe:
+            self._check_moe()
+
+    def _check_moe(self):
+        """A conventional MoE's budget is its top_k and it has no noise (docs/reference/spec.md §7)."""
+        c = self.config
+        if self.k != c.top_k:
+            raise InfMoEError(f"expert budget K = {self.k} does not apply to a conventional MoE: every token runs "
+                              f"its top_k = {c.top_k} experts")
+        if self.noise != "quantile":
+            raise InfMoEError("sampled noise does not apply to a conventional MoE: its router is deterministic")
+        if self.dtype not in MOE_DTYPES:
+            raise InfMoEError(f"a conventional MoE is exported at {', '.join(MOE_DTYPES)}, not {self.dtype} "
+                              "(onnxruntime's MoE / QMoE experts)")
+        if self.target not in MOE_TARGETS:
+            raise InfMoEError(f"a conventional MoE is exported for {' or '.join(MOE_TARGETS)}, not {self.target}: "
+                              "its experts are onnxruntime's MoE / QMoE, which TensorRT has no plugin for")
+
+    @property
+    def is_moe(self) -> bool:
+        """A conventional top-k MoE (model_type moe-gpt2), exported with onnxruntime's MoE ops."""
+        return self.config.model_type == "moe-gpt2"
 
     # -- quantization (SPEC §6) -------------------------------------------------------------
 
@@ -113,14 +142,16 @@ class DecoderIO:
         one (slice_width = ffn_hidden: every window is all of H) at int8 / int4 on the onnxruntime
         target, where the quantized op reads both matrices packed (as a standard MLP, its w_out,
         blocked along the output dimension, is dequantized every step). Otherwise a dense model's
-        experts are a standard MLP."""
-        return not self.config.is_dense or (self.target == "onnxruntime" and self.bits is not None)
+        experts are a standard MLP. A conventional MoE's experts are always in onnxruntime's MoE /
+        QMoE op."""
+        return self.is_moe or not self.config.is_dense or (self.target == "onnxruntime" and self.bits is not None)
 
     @property
     def custom_ops(self) -> bool:
         """Whether the graph holds infmoe ops, which only the kernel library or their fallback
-        functions run: the expert op, or the onnxruntime target's own."""
-        return self.experts_in_op or self.target == "onnxruntime"
+        functions run: the expert op, or the onnxruntime target's own (a conventional MoE's
+        experts are onnxruntime's own ops, which every onnxruntime runs)."""
+        return (self.experts_in_op and not self.is_moe) or self.target == "onnxruntime"
 
     @property
     def precision(self) -> str:
@@ -248,7 +279,7 @@ class DecoderIO:
     @classmethod
     def from_metadata(cls, props: Dict[str, str]) -> "DecoderIO":
         try:
-            config = InfMoEConfig.from_dict(json.loads(props["infmoe.config"]))
+            config = config_from_dict(json.loads(props["infmoe.config"]))
             # Files from before quantization have no block size or quantize_other: nothing else quantized.
             return cls(config, int(props["infmoe.k"]), props["infmoe.noise"], props["infmoe.past"] == "1",
                        props["infmoe.with_starts"] == "1", props["infmoe.dtype"],
@@ -304,10 +335,16 @@ def custom_op_types(nodes) -> set:
     return {n.op_type for n in nodes if n.domain == DOMAIN}
 
 
+def moe_op_types(nodes) -> set:
+    """onnxruntime's MoE / QMoE ops a graph's nodes use (a conventional MoE's experts)."""
+    return {n.op_type for n in nodes if n.domain == MS_DOMAIN and n.op_type in MOE_OP_TYPES}
+
+
 def holds_functions(nodes, functions) -> bool:
-    """Whether the graph uses infmoe ops and holds the fallback function of every one."""
-    used = custom_op_types(nodes)
-    return bool(used) and used <= {f.name for f in functions if f.domain == DOMAIN}
+    """Whether the graph uses ops that carry a fallback function (the infmoe ops, onnxruntime's
+    MoE / QMoE) and holds the function of every one."""
+    used = {(DOMAIN, t) for t in custom_op_types(nodes)} | {(MS_DOMAIN, t) for t in moe_op_types(nodes)}
+    return bool(used) and used <= {(f.domain, f.name) for f in functions}
 
 
 def custom_op_type(nodes) -> str:

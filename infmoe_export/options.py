@@ -45,6 +45,18 @@ def positive_ints(text: str, option: str = "--k") -> List[int]:
     return values
 
 
+# The expert budgets an ∞-MoE is measured at by default (eval, bench, pipeline).
+DEFAULT_KS = (1, 2, 4, 8)
+
+
+def expert_budgets(text: Optional[str], config, option: str = "--k") -> List[int]:
+    """--k's budgets (positive_ints), else the checkpoint's own: DEFAULT_KS for an ∞-MoE, the
+    top_k of a conventional MoE (its only one)."""
+    if text is not None:
+        return positive_ints(text, option)
+    return list(DEFAULT_KS) if config.model_type == "infmoe-gpt2" else [config.default_k]
+
+
 def check_forward_memory(config, batch: int, seq: int, k: int) -> None:
     """Refuse a batch, sequence and expert budget whose forward pass would not fit in memory."""
     check_fits(forward_bytes(config, batch, seq, k), f"a forward pass at batch {batch}, sequence {seq}, K={k}")

@@ -13,7 +13,7 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 from .errors import InfMoEError
-from .model import InfMoEConfig, InfMoEGPT, continuous_slice_ffn
+from .model import InfMoEGPT, continuous_slice_ffn
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -182,10 +182,11 @@ def q_continuous_slice_ffn(x, starts, w_in_q, w_in_scale, b_in, w_out_q, w_out_s
     return continuous_slice_ffn(x, starts, w_in, b_in, w_out, b_out, slice_width, activation)
 
 
-def quantized_tensors(config: InfMoEConfig, bits: Optional[int], other_bits: Optional[int] = None) -> Dict[str, int]:
+def quantized_tensors(config, bits: Optional[int], other_bits: Optional[int] = None) -> Dict[str, int]:
     """Checkpoint name -> bits of every matrix an export stores as integers: the experts at bits,
     attention and the tied embedding / LM head at other_bits (None: kept float). Every one is
-    quantized as stored, [out, in] or [H, D]: rows blocked along D."""
+    quantized as stored, [out, in] or [H, D]: rows blocked along D; a conventional MoE's stacked
+    experts [E, out, in] the same, row by row (docs/reference/spec.md §7)."""
     names = {"wte.weight": other_bits} if other_bits else {}
     for i in range(config.n_layer):
         if bits:
@@ -203,8 +204,9 @@ def dequantized_model(model: InfMoEGPT, bits: Optional[int], block_size: int,
     parameters = dict(copied.named_parameters())
     with torch.no_grad():
         for name, n_bits in quantized_tensors(model.config, bits, other_bits).items():
-            q, scale = quantize(parameters[name], n_bits, block_size)
-            parameters[name].copy_(dequantize(q, scale, block_size))
+            weight = parameters[name]
+            q, scale = quantize(weight.reshape(-1, weight.shape[-1]), n_bits, block_size)
+            weight.copy_(dequantize(q, scale, block_size).reshape(weight.shape))
     return copied
 
 

@@ -1,6 +1,6 @@
 """The conventional top-k MoE (model_type moe-gpt2): its layer against a per-token loop written from
 the spec, ties, the decoder's cache and padding, training with the balance loss, its config and
-checkpoint checks, and the ∞-MoE commands refusing it."""
+checkpoint checks (its export: tests/test_moe_export.py)."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infmoe_export import data
-from infmoe_export.checkpoint import WEIGHTS_FILE, load_checkpoint, require_arch, save_checkpoint
+from infmoe_export.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from infmoe_export.errors import InfMoEError
 from infmoe_export.model import (InfMoEConfig, InfMoEGPT, MoEConfig, MoEGPT, TopKMoE, config_from_dict, model_for,
                                  top_k_experts)
@@ -262,19 +262,6 @@ def test_bad_config_json_is_refused_at_load(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "top_k": 5}))
     with pytest.raises(InfMoEError, match="'top_k' \\(5\\) must be at most 'num_experts' \\(3\\)"):
         load_checkpoint(path)
-
-
-def test_an_moe_checkpoint_is_refused_by_the_infmoe_export(tmp_path, run_cli):
-    path = save_checkpoint(random_moe(moe_config()), tmp_path / "moe")
-    for command in (["onnx", "--checkpoint", path, "--out", tmp_path / "model.onnx"],
-                    ["parity", "--checkpoint", path, "--out", tmp_path / "parity"]):
-        code, out, err = run_cli(*command)
-        assert code == 1
-        assert err.count("\n") == 1 and "model_type 'moe-gpt2'" in err and "needs an ∞-MoE checkpoint" in err
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]  # nothing written
-    with pytest.raises(InfMoEError, match="needs a conventional top-k MoE checkpoint"):
-        require_arch(InfMoEConfig(**{k: v for k, v in SHAPE.items() if k != "num_experts"}, slice_width=11,
-                                  num_samples=2), "moe-gpt2", "the MoE export")
 
 
 def test_train_and_eval_commands(tmp_path, run_cli):

@@ -13,8 +13,8 @@ from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
 from ..errors import InfMoEError
 from ..export import export_many
 from ..files import atomic_write, output_file
-from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
-                       positive_ints)
+from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, expert_budgets,
+                       export_choice_options, positive_ints)
 from ..report.bench import DEFAULT_PAST, check_shapes, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, export_labels, print_summary, validate_report
@@ -28,7 +28,8 @@ from ..runtimes import registry
               help="ONNX model(s) or a directory of per-K models (default: export the checkpoint per K).")
 @click.option("--engines", type=click.Path(), default=None, help="Directory of TensorRT engines (`infmoe-export trt`).")
 @click.option("--backends", "backend_list", default="torch,ort,ort-fallback,trt", show_default=True)
-@click.option("--k", "ks", default="1,2,4,8", show_default=True, help="Expert budgets K, comma-separated.")
+@click.option("--k", "ks", default=None,
+              help="Expert budgets K, comma-separated (default: 1,2,4,8; a conventional MoE: its top_k).")
 @click.option("--noise", type=click.Choice(("quantile", "sampled")), default="quantile", show_default=True,
               help="Noise mode of the models exported when no --model is given.")
 @export_choice_options(many=True, deployments=("onnxruntime", "portable"))
@@ -52,7 +53,8 @@ def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, dep
     """Latency, throughput and memory per backend, precision and K: of the given models, or of the
     checkpoint exported as --for and --dtype say (default: onnxruntime, fp32; the model `run` runs)."""
     backends = registry.parse_backends(backend_list)
-    ks, batches, seqs = positive_ints(ks, "--k"), positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
+    batches, seqs = positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
+    ks = expert_budgets(ks, read_config(checkpoint or DEFAULT_CHECKPOINT))
     if model_paths and any(value is not None for value in (deploy, dtype, quantize_other, block_size)):
         raise InfMoEError("--for, --dtype, --quantize-other and --block-size choose what to export; they cannot be "
                           "combined with --model")

@@ -11,7 +11,7 @@ from ..data import corpus_bytes, read_texts, windows
 from ..errors import InfMoEError
 from ..evaluate import window_nll
 from ..model import NOISE_MODES
-from ..options import SEED, check_forward_memory, positive_ints, set_threads
+from ..options import SEED, check_forward_memory, expert_budgets, set_threads
 from ..report.baselines import baseline_paths
 
 
@@ -35,8 +35,7 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, baselines, no_b
     set_threads()
     data = read_texts(texts) if texts else corpus_bytes("validation")
     model = load_checkpoint(checkpoint)
-    default_ks = "1,2,4,8" if model.config.model_type == "infmoe-gpt2" else str(model.config.default_k)
-    runs = [(None, model, positive_ints(default_ks if ks is None else ks, "--k"))]
+    runs = [(None, model, expert_budgets(ks, model.config))]
     for path in baseline_paths(baselines, bundled=not no_baselines):
         model = load_checkpoint(path)
         runs.append((path.resolve().name, model, [model.config.default_k]))

@@ -33,9 +33,11 @@ def inspect_command(model, as_json, repair):
                    + (f" (exporter {found.metadata.get('infmoe.exporter_version', '?')})" if io else ""))
         if io is not None:
             c = io.config
-            click.echo(f"model: D {c.d_model}, L {c.n_layer}, heads {c.n_head}, H {c.ffn_hidden}, r {c.slice_width}, "
+            ffn = f"E {c.num_experts}, top-{c.top_k}" if io.is_moe else f"r {c.slice_width}"
+            click.echo(f"model: D {c.d_model}, L {c.n_layer}, heads {c.n_head}, H {c.ffn_hidden}, {ffn}, "
                        f"V {c.vocab_size}; K {io.k}, noise {io.noise}, past {io.past}, dtype {io.dtype}")
-        click.echo(f"ContinuousSliceFFN nodes: {found.op_nodes}; fallback function: "
+        expert_op = "MoE / QMoE" if io is not None and io.is_moe else "ContinuousSliceFFN"
+        click.echo(f"{expert_op} nodes: {found.op_nodes}; fallback function: "
                    f"{'yes' if found.has_function else 'no'} (metadata says {'yes' if found.claims_function else 'no'})")
         for kind, values in (("input", found.inputs), ("output", found.outputs)):
             for name, dims in values.items():

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config, require_arch
+from ..checkpoint import CONFIG_FILE, DEFAULT_CHECKPOINT, WEIGHTS_FILE, load_checkpoint, read_config
+from ..contract import DEFAULT_DEPLOYMENT, DecoderIO
 from ..errors import InfMoEError
 from ..files import locked, output_dir, output_file, staged_dir
 from ..export import DEFAULT_OPSET, QDQ_OPSET, export_onnx
@@ -15,9 +16,10 @@ from ..runtimes import ort_kernel
 from ..verify.validate import validate_onnx
 
 
-HELP = f"""Export a checkpoint to ONNX with one ∞-MoE expert op node per layer, and validate it in
-onnxruntime against PyTorch. --for names the runtime and --dtype the weights; the model is the
-fastest one for that runtime:
+HELP = f"""Export a checkpoint to ONNX with one ∞-MoE expert op node per layer (a conventional
+MoE checkpoint: one onnxruntime MoE / QMoE node per layer), and validate it in onnxruntime against
+PyTorch. --for names the runtime and --dtype the weights; the model is the fastest one for that
+runtime:
 
 {CHOICES_TABLE}"""
 
@@ -29,7 +31,8 @@ fastest one for that runtime:
               help="A .onnx file, or a folder (any other name) in Optimum's layout for Hugging Face clients and "
                    "onnxruntime-genai: model.onnx, config.json, tokenizer.json, genai_config.json "
                    "(docs/guide/interop.md).")
-@click.option("--k", type=int, default=None, help="Expert budget K (default: the checkpoint's num_samples).")
+@click.option("--k", type=int, default=None,
+              help="Expert budget K (default: the checkpoint's num_samples; a conventional MoE has only its top_k).")
 @click.option("--noise", type=click.Choice(NOISE_MODES), default="quantile", show_default=True)
 @click.option("--no-past", is_flag=True, help="No KV cache: input_ids + attention_mask -> logits.")
 @click.option("--opset", type=int, default=None,
@@ -46,9 +49,9 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quant
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
-    config = read_config(source)
-    # The one place that picks an export by architecture; a conventional MoE has none here yet.
-    require_arch(config, "infmoe-gpt2", "infmoe-export onnx")
+    config = read_config(source)  # its model_type picks the export (export_onnx), checked before any work:
+    DecoderIO(config, config.default_k if k is None else k, noise, dtype=dtype or "fp32", target=target or deploy or
+              DEFAULT_DEPLOYMENT)
     choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target)
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")

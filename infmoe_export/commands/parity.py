@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config, require_arch
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
 from ..errors import InfMoEError
 from ..export import export_many
 from ..options import SEED, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options, positive_ints
@@ -30,7 +30,7 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX
 @click.option("--out", type=click.Path(), required=True, help="Directory for report.json / .md / .html.")
 @click.option("--k", "ks", default=None,
               help="Only these expert budgets, comma-separated (default: every model given, or the checkpoint's "
-                   "num_samples).")
+                   "num_samples; a conventional MoE's top_k).")
 @click.option("--backends", "backend_list", default="ort,ort-fallback,trt", show_default=True,
               help="Backends to compare against the PyTorch reference.")
 @click.option("--atol", type=FiniteFloat(min=0), default=DEFAULT_ATOL, show_default=True)
@@ -54,13 +54,12 @@ def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block
         raise InfMoEError("--for, --dtype, --quantize-other and --block-size choose what to export; they cannot be "
                           "combined with --model")
     source = checkpoint or DEFAULT_CHECKPOINT
-    require_arch(read_config(source), "infmoe-gpt2", "infmoe-export parity")
     choices = [] if model_paths else choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size)
     out = output_dir(out, inputs=[source, *model_paths, *texts, engines])
     torch_model = load_checkpoint(checkpoint)
     k_list = positive_ints(ks, "--k") if ks else None
     check_forward_memory(torch_model.config, BATCH_SIZE, torch_model.config.n_positions,
-                         max(k_list) if k_list else torch_model.config.num_samples)
+                         max(k_list) if k_list else torch_model.config.default_k)
     console = Console()
     with locked(out):
         if model_paths:
@@ -69,7 +68,7 @@ def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block
         else:  # with their starts: SPEC §5's start agreement needs them
             models = [m for choice in choices
                       for m in export_many(torch_model, out / "models" / choice.dtype,
-                                           k_list or [torch_model.config.num_samples], with_starts=True,
+                                           k_list or [torch_model.config.default_k], with_starts=True,
                                            **choice.options())]
         console.print(f"models: {', '.join(dict.fromkeys(m.io.label for m in models))}", markup=False)
         for note in dict.fromkeys(c.note for c in choices if c.note):

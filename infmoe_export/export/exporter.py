@@ -1,4 +1,5 @@
-"""Export an InfMoEGPT to ONNX with one `infmoe::ContinuousSliceFFN` node per layer (SPEC §4).
+"""Export an InfMoEGPT to ONNX with one `infmoe::ContinuousSliceFFN` node per layer (SPEC §4), or a
+conventional MoE (MoEGPT) with one onnxruntime MoE / QMoE node per layer (moe.py).
 
 The torch.onnx dynamo exporter traces the reference model itself (model.py), with one change:
 each layer's expert part becomes `torch.onnx.ops.symbolic("infmoe::ContinuousSliceFFN")`, so
@@ -25,13 +26,13 @@ from torch import nn
 from torch.export import Dim
 
 from ..contract import (BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel,
-                        custom_op_types)
-from ..checkpoint import require_arch
+                        custom_op_types, moe_op_types)
 from ..errors import InfMoEError
 from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QuantizedWeight
 from .function import ir_functions
+from .moe import ExportTopKMoE
 from .ort_target import OrtDecoder, finish_ort_graph
 from .quantized import insert_dequantize, resolve_opset
 
@@ -97,8 +98,9 @@ class _ExportModule(nn.Module):
         # Otherwise a dense model's experts are plain MatMuls: quantized by DequantizeLinear (quantized.py).
         bits = decoder_io.bits if decoder_io.experts_in_op else None
         for block in self.model.h:
-            block.moe = _ExportMoE(block.moe, dtype, bits, decoder_io.block_size)
-        if decoder_io.noise == "quantile":  # baked in as a constant
+            block.moe = ExportTopKMoE(block.moe, bits, decoder_io.block_size) if decoder_io.is_moe else \
+                _ExportMoE(block.moe, dtype, bits, decoder_io.block_size)
+        if decoder_io.noise == "quantile" and not decoder_io.is_moe:  # baked in as a constant
             self.register_buffer("quantile_eps", quantile_noise(decoder_io.k), persistent=False)
 
     def forward(self, *inputs):
@@ -110,7 +112,7 @@ class _ExportModule(nn.Module):
             flat = [named[name] for name in self.io.past_names]
             past = tuple(zip(flat[0::2], flat[1::2]))
         eps = named.get("expert_noise")
-        if eps is None:
+        if eps is None and not self.io.is_moe:  # a conventional MoE has no noise
             eps = self.quantile_eps.expand(batch, sequence, self.io.k)
         output = self.model(input_ids, named["attention_mask"], past, k=self.io.k, expert_noise=eps,
                             return_starts=self.io.with_starts)
@@ -337,10 +339,12 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py).
     dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
     quantize_other that of attention and the tied embedding / LM head (docs/guide/quantization.md);
-    opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it. ∞-MoE checkpoints only:
-    a conventional MoE is refused in one line (checkpoint.require_arch)."""
-    require_arch(model, "infmoe-gpt2", "the ∞-MoE ONNX export")
-    decoder_io = DecoderIO(model.config, model.config.num_samples if k is None else k, noise, past, with_starts, dtype,
+    opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it.
+
+    Either architecture, by its config's model_type: a conventional MoE (MoEGPT) gets onnxruntime's
+    MoE / QMoE experts (moe.py); its K is top_k and its noise none (DecoderIO refuses others), at
+    fp32, int8 or int4, for the portable or onnxruntime target."""
+    decoder_io = DecoderIO(model.config, model.config.default_k if k is None else k, noise, past, with_starts, dtype,
                            block_size=block_size, quantize_other=quantize_other, target=target)
     opset = check_opset(resolve_opset(opset, decoder_io, DEFAULT_OPSET))
     path = output_file(path)
@@ -375,7 +379,8 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     if target == "onnxruntime":
         finish_ort_graph(onnx_model.graph)
     onnx_model.graph.sort()
-    op_types = custom_op_types(onnx_model.graph)  # none in a dense model, unless QMatMul
+    # none in a dense model, unless QMatMul; a conventional MoE's MoE / QMoE have functions too
+    op_types = custom_op_types(onnx_model.graph) | moe_op_types(onnx_model.graph)
     has_function = function and bool(op_types)
     if has_function:
         for fn in ir_functions(opset, op_types):

@@ -24,6 +24,20 @@ onnxruntime without our kernel runs exactly the node it would have run without t
 `infmoe::DecoderAttention` (the onnxruntime target's attention, docs/reference/ops/DecoderAttention.md) has
 GroupQueryAttention as its body in the same way, and `infmoe::WindowStarts` (its router and window
 starts in one node) the ten standard ops the target wrote before.
+
+`com.microsoft::MoE` and `QMoE` (onnxruntime's own expert ops, a conventional MoE's experts:
+export/moe.py) get a function of the same domain and name: onnxruntime runs its kernel, which
+claims the node; a runtime without the op runs the function. Its numbers are the CPU kernel's
+(onnxruntime 1.32): softmax over all E router logits, the top k in the order (-logit, -index), so
+of equal logits the highest index wins (the export stores the experts reversed, which keeps the
+reference's lowest-index rule), with normalize_routing_weights = 1 the k weights divided by their
+sum, and every expert evaluated densely (each token through all E experts, weighted by a gate
+that is zero off its top k). It implements activation_type "gelu" (onnxruntime's CPU gelu is the
+tanh form) and normalize_routing_weights 0 or 1; any other value gives NaN, like a bad
+expert_weight_bits or block_size of QMoE. QMoE's function dequantizes the weights first (SPEC §6's storage,
+which is QMoE's, per expert row, by `infmoe::DequantizeRows`) and always divides the k weights by
+their sum, as its kernel does without the optional router_weights input (the export writes
+neither that input nor zero points).
 """
 
 import math
@@ -34,17 +48,18 @@ from onnx import TensorProto, helper
 from onnxscript import script, values
 from onnxscript import opset18 as op
 
-from ..contract import DOMAIN, OP_TYPE, OP_VERSION
+from ..contract import DOMAIN, MS_DOMAIN, OP_TYPE, OP_VERSION
 from ..model import GELU_TANH_C, GELU_TANH_CUBIC
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QMATMUL_OP_TYPE
 
 ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE = "DecoderAttention", "WindowStarts", "StepInputs"
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
-contrib = values.Opset("com.microsoft", 1)
+contrib = values.Opset(MS_DOMAIN, 1)
 
 _NAN = math.nan
 _INT64_MAX = 2 ** 63 - 1
+_INT64_MIN = -2 ** 63
 _FLOAT32_LOWEST = -3.4028234663852886e38  # float32's lowest: the additive mask of a pad
 
 
@@ -190,18 +205,98 @@ def StepInputs(input_ids, attention_mask):
     return position_ids, seqlens_k, total_sequence_length, attention_bias
 
 
+@script(contrib, default_opset=op)
+def MoE(input, router_probs, fc1_experts_weights, fc1_experts_bias, fc2_experts_weights, fc2_experts_bias, k: int,
+        activation_type: str = "relu", normalize_routing_weights: int = 0):
+    D = op.Shape(input, start=-1)
+    E = op.Shape(fc1_experts_weights, start=0, end=1)
+    x = op.Reshape(input, op.Concat(op.Constant(value_ints=[-1]), D, axis=0))    # [N, D]
+    logits = op.Reshape(router_probs, op.Concat(op.Constant(value_ints=[-1]), E, axis=0))  # [N, E]
+    # The activation, compared as ContinuousSliceFFN compares its own; normalize 0 or 1.
+    known = op.TfIdfVectorizer(op.Reshape(op.Constant(value_string=activation_type), [1]), max_gram_length=1,
+                               min_gram_length=1, max_skip_count=0, mode="TF", ngram_counts=[0], ngram_indexes=[0],
+                               pool_strings=["gelu"])
+    normalize = op.Constant(value_int=normalize_routing_weights)
+    call_bad = op.Or(op.Less(op.ReduceSum(known, keepdims=0), 1.0),
+                     op.Not(op.Or(op.Equal(normalize, 0), op.Equal(normalize, 1))))
+    penalty = op.Where(call_bad, op.CastLike(_NAN, input), op.CastLike(0.0, input))
+
+    # The top k, equal logits to the highest index: TopK gives them to the lowest, so it runs on
+    # the logits reversed, and index j there is expert E - 1 - j.
+    reversed_logits = op.Slice(logits, [-1], op.Constant(value_ints=[_INT64_MIN]), [1], [-1])
+    _, picked = op.TopK(reversed_logits, op.Reshape(op.Constant(value_int=k), [1]), axis=1, largest=1, sorted=1)
+    experts = op.Sub(E - 1, picked)                                               # [N, k]
+    probabilities = op.Softmax(logits, axis=1)
+    weights = op.GatherElements(probabilities, experts, axis=1)
+    weights = op.Where(op.Equal(normalize, 1), weights / op.ReduceSum(weights, [1], keepdims=1), weights)
+    gate = op.ScatterElements(op.Mul(probabilities, op.CastLike(0.0, probabilities)), experts, weights, axis=1)
+
+    # Every expert on every token: [N, E I] -> [E, N, I] -> [E, N, D], summed under the gate.
+    a = op.MatMul(x, op.Transpose(op.Reshape(fc1_experts_weights, op.Concat(op.Constant(value_ints=[-1]), D, axis=0)),
+                                  perm=[1, 0])) + op.Reshape(fc1_experts_bias, [-1])
+    c = op.CastLike(GELU_TANH_C, x)
+    cubic = op.CastLike(GELU_TANH_CUBIC, x)
+    gelu = op.CastLike(0.5, x) * a * (op.CastLike(1.0, x) + op.Tanh(c * (a + cubic * a * a * a)))
+    hidden = op.Transpose(op.Reshape(gelu, op.Concat(op.Constant(value_ints=[-1]), E,
+                                                     op.Shape(fc1_experts_weights, start=1, end=2), axis=0)),
+                          perm=[1, 0, 2])
+    outputs = op.MatMul(hidden, op.Transpose(fc2_experts_weights, perm=[0, 2, 1])) + op.Unsqueeze(fc2_experts_bias, [1])
+    y = op.ReduceSum(outputs * op.Unsqueeze(op.Transpose(gate, perm=[1, 0]), [-1]), [0], keepdims=0)
+    return op.Reshape(y, op.Shape(input)) + penalty
+
+
+@script(infmoe, default_opset=op)
+def DequantizeRows(packed, scales, columns, bits, block_size):
+    # packed [..., N, bytes] uint8 (SPEC §6's storage: offset 2^(bits - 1), two columns a byte at
+    # 4 bits, the even one in the low nibble), scales [..., N, blocks]: w' [..., N, columns] in
+    # the scales' type. columns is a [1], bits and block_size scalars, all int64 (inputs, so that
+    # QMoE can pass safe values for bad attributes).
+    shifts = op.Cast(op.Range(0, 8, bits), to=TensorProto.UINT8)                  # [0] or [0, 4]
+    mask = op.Cast(op.Pow(2.0, op.Cast(bits, to=TensorProto.FLOAT)) - 1.0, to=TensorProto.UINT8)
+    values = op.BitwiseAnd(op.BitShift(op.Unsqueeze(packed, [-1]), shifts, direction="RIGHT"), mask)
+    values = op.Reshape(values, op.Concat(op.Shape(packed, end=-1), op.Constant(value_ints=[-1]), axis=0))
+    values = op.Slice(values, [0], columns, [-1])
+    offset = op.Pow(2.0, op.Cast(bits - 1, to=TensorProto.FLOAT))
+    scale = op.Gather(scales, op.Range(0, op.Squeeze(columns, [0]), 1) / block_size, axis=-1)
+    return op.CastLike(op.Cast(values, to=TensorProto.FLOAT) - offset, scales) * scale
+
+
+@script(contrib, default_opset=op)
+def QMoE(input, router_probs, fc1_experts_weights, fc1_scales, fc1_experts_bias, fc2_experts_weights, fc2_scales,
+         fc2_experts_bias, k: int, activation_type: str = "relu", normalize_routing_weights: int = 0,
+         expert_weight_bits: int = 4, block_size: int = 0):
+    n_bits = op.Constant(value_int=expert_weight_bits)
+    B = op.Constant(value_int=block_size)
+    # A bad bits or block size gives NaN; the safe values only keep the ops below well defined.
+    bits_ok = op.Or(op.Equal(n_bits, 4), op.Equal(n_bits, 8))
+    block_ok = op.And(op.GreaterOrEqual(B, 16), op.Equal(op.BitwiseAnd(B, B - 1), 0))
+    penalty = op.Where(op.And(bits_ok, block_ok), op.CastLike(0.0, input), op.CastLike(_NAN, input))
+    safe_bits = op.Where(bits_ok, n_bits, 8)
+    safe_B = op.Where(block_ok, B, 16)
+    fc1 = DequantizeRows(fc1_experts_weights, fc1_scales, op.Shape(input, start=-1), safe_bits, safe_B)
+    fc2 = DequantizeRows(fc2_experts_weights, fc2_scales, op.Shape(fc1_experts_weights, start=1, end=2), safe_bits,
+                         safe_B)
+    # normalize_routing_weights is not read: the kernel normalizes either way (module doc).
+    Y = MoE(input, router_probs, fc1, fc1_experts_bias, fc2, fc2_experts_bias, k=k, activation_type=activation_type,
+            normalize_routing_weights=1)
+    return Y + penalty
+
+
 FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN),
              QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,), ROUTER_OP_TYPE: (WindowStarts,),
              STEP_OP_TYPE: (StepInputs,)}
+# onnxruntime's own ops a conventional MoE's export writes, by op type (com.microsoft domain):
+# their fallback functions (QMoE's dequantizes with an infmoe-domain helper, then calls MoE's).
+MOE_FUNCTIONS = {"MoE": (MoE,), "QMoE": (MoE, DequantizeRows, QMoE)}
 
 
 def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
-    """The functions a model of this opset needs for its infmoe op_types (the quantized expert
-    op calls the float one), as onnx_ir Functions (the checker wants a function's default opset
+    """The functions a model of this opset needs for its op_types (the infmoe ops, and
+    onnxruntime's MoE / QMoE; a quantized expert op calls the float one), as onnx_ir Functions (the checker wants a function's default opset
     to match the model's; every op here means the same from 18 on, later opsets only add types)."""
     needed = {}
     for op_type in sorted(op_types):
-        needed.update({f.name: f for f in FUNCTIONS[op_type]})
+        needed.update({f.name: f for f in {**FUNCTIONS, **MOE_FUNCTIONS}[op_type]})
     functions = [ir.serde.deserialize_function(f.to_function_proto()) for f in needed.values()]
     for function in functions:
         function.opset_imports[""] = opset
@@ -278,6 +373,26 @@ def step_inputs_model(with_function: bool = False):
         ("total_sequence_length", TensorProto.INT32), ("attention_bias", TensorProto.FLOAT))]
     node = helper.make_node(STEP_OP_TYPE, names, [o.name for o in outputs], domain=DOMAIN)
     return _one_node_model(node, inputs, outputs, with_function)
+
+
+def moe_op_model(k: int, normalize_routing_weights: int, bits: Optional[int] = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, with_function: bool = False):
+    """A one-node model of onnxruntime's com.microsoft MoE (bits None) or QMoE with the
+    attributes a conventional-MoE export writes (export/moe.py), every input of free shape:
+    tests; with_function attaches its fallback function."""
+    from .moe import FLOAT_INPUTS, QUANTIZED_INPUTS, moe_attributes
+
+    names = ["input", "router_probs", *(FLOAT_INPUTS if bits is None else QUANTIZED_INPUTS)]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.UINT8 if n.endswith("_experts_weights") and bits
+                                            else TensorProto.FLOAT, None) for n in names]
+    op_type = "MoE" if bits is None else "QMoE"
+    node = helper.make_node(op_type, names, ["output"], domain=MS_DOMAIN,
+                            **moe_attributes(k, normalize_routing_weights, bits, block_size))
+    graph = helper.make_graph([node], op_type, inputs, [helper.make_tensor_value_info("output", TensorProto.FLOAT, None)])
+    functions = [f.to_function_proto() for f in MOE_FUNCTIONS[op_type]] if with_function else []
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)] + \
+        ([helper.make_opsetid(DOMAIN, OP_VERSION)] if with_function and bits else [])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=functions)
 
 
 def window_starts_model(ffn_hidden: int, slice_width: int, with_function: bool = False):

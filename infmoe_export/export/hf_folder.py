@@ -70,9 +70,12 @@ def hf_config(exported: ExportedModel) -> dict:
         INFMOE_KEY: {
             "config": c.to_dict(),
             "metadata": dict(exported.metadata),
-            "note": ("An ∞-MoE (continuous-slice MoE) decoder with GPT-2's inputs, outputs and cache; its FFN is "
-                     "the custom op infmoe::ContinuousSliceFFN. No PyTorch weights here: load it with "
-                     "ORTModelForCausalLM or onnxruntime-genai, not AutoModelForCausalLM."),
+            "note": (("A conventional top-k MoE decoder with GPT-2's inputs, outputs and cache; its FFN is "
+                      "onnxruntime's com.microsoft MoE / QMoE op. " if io.is_moe else
+                      "An ∞-MoE (continuous-slice MoE) decoder with GPT-2's inputs, outputs and cache; its FFN is "
+                      "the custom op infmoe::ContinuousSliceFFN. ") +
+                     "No PyTorch weights here: load it with ORTModelForCausalLM or onnxruntime-genai, not "
+                     "AutoModelForCausalLM."),
         },
     }
 

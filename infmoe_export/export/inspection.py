@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Union
 import onnx
 import onnx_ir as ir
 
-from ..contract import DOMAIN, OP_TYPE, DecoderIO, custom_op_types, folder_metadata, holds_functions, load_graph
+from ..contract import (DOMAIN, MOE_OP_TYPES, MS_DOMAIN, OP_TYPE, DecoderIO, custom_op_types, folder_metadata,
+                        holds_functions, load_graph, moe_op_types)
 from ..quant import Q_OP_TYPE
 from ..errors import InfMoEError
 from .exporter import save_model
@@ -37,7 +38,7 @@ class Inspection:
     io: Optional[DecoderIO]
     inputs: Dict[str, list]
     outputs: Dict[str, list]
-    op_nodes: int                        # ContinuousSliceFFN nodes
+    op_nodes: int                        # expert op nodes: ContinuousSliceFFN (a conventional MoE: MoE / QMoE)
     has_function: bool                   # the file holds the function
     claims_function: bool                # the metadata says it does
     unnamed_weights: List[str]           # initializers of > 1 element not named after a parameter
@@ -97,11 +98,14 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
     decoder_io = None
     if source != "missing":
         decoder_io = DecoderIO.from_metadata(metadata)
-    op_nodes = sum(1 for node in graph.node if node.domain == DOMAIN and node.op_type in (OP_TYPE, Q_OP_TYPE))
+    expert_ops = {(MS_DOMAIN, t) for t in MOE_OP_TYPES} if decoder_io is not None and decoder_io.is_moe else \
+        {(DOMAIN, OP_TYPE), (DOMAIN, Q_OP_TYPE)}
+    op_nodes = sum(1 for node in graph.node if (node.domain, node.op_type) in expert_ops)
     has_function = holds_functions(graph.node, proto.functions)
     claims = metadata.get("infmoe.has_function") == "1"
-    unnamed = [t.name for t in graph.initializer
-               if (t.name.startswith("val_") or t.name.startswith("onnx::")) and _numel(t) > 1]
+    # Weights, not shapes and axes: int64 constants (a Reshape's target, a Pad's pads) keep the exporter's names.
+    unnamed = [t.name for t in graph.initializer if (t.name.startswith("val_") or t.name.startswith("onnx::"))
+               and _numel(t) > 1 and t.data_type != onnx.TensorProto.INT64]
     node_meta = sum(len(p.key) + len(p.value) for node in graph.node for p in node.metadata_props)
     produced_outputs = {o.name for o in graph.output}
     consumed = sorted({name for node in graph.node for name in node.input if name in produced_outputs})
@@ -117,17 +121,18 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
     elif source == "config.json":
         found.problems.append(f"the model's metadata was dropped (e.g. by a graph-surgeon round trip); recovered "
                               f"from config.json beside it. Write it back into the file: {fix}")
-    if custom_op_types(graph.node) and not has_function:
+    if _function_op_types(graph.node) and not has_function:
         if claims:
             found.problems.append("the metadata says the model has the fallback function but the file does not "
                                   "(saved by an onnxruntime session that had the kernel?); without the kernel it "
                                   f"fails with 'not a registered function/op'. Add the function back: {fix}")
-        elif not kernel_available:
+        elif not kernel_available and custom_op_types(graph.node):  # onnxruntime's MoE runs in any onnxruntime
             found.problems.append("ContinuousSliceFFN without the fallback function: it runs only with the "
                                   "onnxruntime kernel, which is not installed here (docs/guide/onnxruntime.md), "
                                   f"or add the function: {fix}")
     if decoder_io is not None and decoder_io.experts_in_op and op_nodes == 0:
-        found.problems.append("no ContinuousSliceFFN node: the op was inlined into standard ops (a tool ran it "
+        expert_op = "MoE / QMoE" if decoder_io.is_moe else "ContinuousSliceFFN"
+        found.problems.append(f"no {expert_op} node: the op was inlined into standard ops (a tool ran it "
                               "through an onnxruntime session without the kernel: quant_pre_process, the "
                               "transformers optimizer at opt_level >= 1, ORT-format conversion). It runs, slower, "
                               "and neither the kernel nor TensorRT's plugin can take it; post-process the export "
@@ -139,6 +144,11 @@ def inspect_model(path: Union[str, os.PathLike], *, kernel_available: bool = Fal
         found.problems.append(f"graph outputs consumed inside the graph ({', '.join(consumed[:2])}, ...): fp16 "
                               "converters break on them; re-export with this version")
     return found
+
+
+def _function_op_types(nodes) -> set:
+    """The ops of nodes that carry a fallback function: the infmoe ops, onnxruntime's MoE / QMoE."""
+    return custom_op_types(nodes) | moe_op_types(nodes)
 
 
 def _numel(tensor: onnx.TensorProto) -> int:
@@ -162,10 +172,10 @@ def repair_model(path: Union[str, os.PathLike], out: Union[str, os.PathLike]) ->
         done.append("restored the metadata from config.json")
     metadata = dict(found.metadata)
     metadata.pop("infmoe.function_dropped", None)
-    added = bool(custom_op_types(model.graph) and not found.has_function)
+    added = bool(_function_op_types(model.graph) and not found.has_function)
     if added:
         opset = model.opset_imports.get("", 18)
-        for function in ir_functions(opset, custom_op_types(model.graph)):
+        for function in ir_functions(opset, _function_op_types(model.graph)):
             model.functions[function.identifier()] = function
         model.opset_imports.setdefault(DOMAIN, 1)
         done.append(f"added the fallback function (opset {opset})")

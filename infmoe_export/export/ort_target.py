@@ -20,6 +20,9 @@ expert op, `window_starts` included) but writes each layer as
     expert   = infmoe::ContinuousSliceFFN
     ln_1', x = SkipLayerNormalization(expert, h, next layer's ln_1 (ln_f after the last))
 
+(a conventional MoE: its router's MatMul and one com.microsoft MoE / QMoE node, export/moe.py,
+in place of WindowStarts and the expert op)
+
 The attention appends the new keys and values to the cache itself: with past and present
 bound to one buffer of n_positions (runtimes/ort.py `SharedCache`, onnxruntime-genai's
 `past_present_share_buffer`) it writes them in place, and nothing is copied; with a past of
@@ -91,7 +94,7 @@ class OrtDecoder(nn.Module):
                               f"{HEAD_DIM_MULTIPLE} for GroupQueryAttention, got {self.io.config.head_dim}: "
                               "export with --target portable")
         self.model = export_module.model
-        for block in self.model.h:  # the exporter's copy of the model
+        for block in self.model.h if not self.io.is_moe else ():  # the exporter's copy of the model
             moe = block.moe.moe
             moe.router = _FusedRouter(moe.router)
         if hasattr(export_module, "quantile_eps"):
@@ -105,8 +108,8 @@ class OrtDecoder(nn.Module):
         batch, sequence = input_ids.shape
         total = mask.shape[1]
         eps = named.get("expert_noise")
-        if eps is None:  # [K], broadcast by the router
-            eps = self.quantile_eps
+        if eps is None:  # [K], broadcast by the router (a conventional MoE has none)
+            eps = getattr(self, "quantile_eps", None)
 
         # The once-per-step inputs in one node (every node adds onnxruntime's per-node overhead
         # to a decode step): positions (real tokens only, model.py) and the attention's

@@ -22,6 +22,7 @@ from polygraphy.backend.onnxrt import OnnxrtRunner
 from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from . import ort_kernel
+from .ort_moe import fallback_copy, qmoe_activations
 
 # Preferred first; onnxruntime falls back down the list node by node.
 PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -59,9 +60,13 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
                    options: Optional[ort.SessionOptions] = None, stop_spinning: bool = False,
                    activations: Optional[str] = None) -> ort.InferenceSession:
     """An InferenceSession for an exported model: the kernel when asked for and installed, the
-    fallback function otherwise; providers default to the best installed ones. activations:
+    fallback function otherwise; providers default to the best installed ones. A conventional
+    MoE's experts are onnxruntime's own MoE / QMoE ops, which every onnxruntime has: kernel=False
+    runs their fallback functions instead, on a copy of the model with the functions inlined
+    (ort_moe.fallback_copy). activations:
     the quantized ops' ("float", SPEC §6 level 1, or "int8": integer dot products, judged at
-    level 2; docs/guide/quantization.md; None: as options say, else float). stop_spinning:
+    level 2; docs/guide/quantization.md; None: as options say, else float; QMoE's too,
+    ort_moe.qmoe_activations). stop_spinning:
     the pool's threads sleep as soon as a run returns (FORCE_SPINNING_STOP), for sessions that
     take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
@@ -78,10 +83,15 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
     if not registered and not model.has_function and model.io.custom_ops:
         raise InfMoEError(f"{model.path} was exported with --no-function and the onnxruntime kernel is not "
                           "available: install it (docs/guide/onnxruntime.md) or re-export with the fallback function")
+    fallback = None if kernel or not model.io.is_moe else fallback_copy(model.path)
     try:
-        return ort.InferenceSession(str(model.path), sess_options=options, providers=providers)
+        with qmoe_activations(activations):
+            return ort.InferenceSession(str(fallback or model.path), sess_options=options, providers=providers)
     except Exception as error:  # onnxruntime raises its own exception types
         raise InfMoEError(f"onnxruntime cannot load {model.path}: {str(error).strip().splitlines()[0]}") from None
+    finally:
+        if fallback is not None:
+            fallback.unlink()
 
 
 class OrtRunner(OnnxrtRunner):

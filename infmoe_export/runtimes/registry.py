@@ -62,9 +62,13 @@ def find_models(paths: Sequence, ks: Optional[Sequence[int]] = None) -> List[Exp
 
 
 def check_models(models: Sequence[ExportedModel], config) -> None:
-    """Every model must come from the checkpoint being compared against (same config)."""
+    """Every model must come from the checkpoint being compared against (same config; first of
+    all the same architecture, named in one line)."""
+    from ..checkpoint import require_arch
+
     expected = config.to_dict()
     for model in models:
+        require_arch(config, model.io.config.model_type, f"{model.path}")
         found = model.io.config.to_dict()
         diff = [key for key in expected if found[key] != expected[key]]
         if diff:

@@ -21,6 +21,7 @@ from ..contract import DOMAIN, DecoderIO, ExportedModel, custom_op_type
 from ..data import corpus_bytes, read_texts, windows
 from ..errors import InfMoEError
 from ..evaluate import perplexity_of_logits, sampled_noise
+from ..export.moe import experts_outputs
 from ..model import InfMoEGPT
 from ..runtimes.ort import create_session
 from ..runtimes.torch_runner import TorchRunner
@@ -61,8 +62,9 @@ def float_reference(model: InfMoEGPT, decoder_io: DecoderIO) -> TorchRunner:
 
 
 def starts_session(exported: ExportedModel, kernel: bool = True, providers=None, activations: str = "float"):
-    """(session, output names): onnxruntime on exported, with every layer's starts as the last
-    outputs when the file does not output them (a sibling copy, removed once loaded)."""
+    """(session, output names): onnxruntime on exported, with every layer's starts (a
+    conventional MoE: its experts) as the last outputs when the file does not output them (a
+    sibling copy, removed once loaded)."""
     copy = _with_starts_outputs(exported.path, exported.io)
     try:
         session = create_session(copy or exported, kernel=kernel, providers=providers, activations=activations)
@@ -73,15 +75,22 @@ def starts_session(exported: ExportedModel, kernel: bool = True, providers=None,
 
 
 def _with_starts_outputs(path: Path, decoder_io: DecoderIO) -> Optional[Path]:
-    """A sibling copy of the model whose outputs include every layer's starts (None if it
-    already has them). Beside the original so that external data still resolves."""
-    model = onnx.load(str(path), load_external_data=False)
-    op_type = custom_op_type(model.graph.node)
-    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == op_type]
-    if decoder_io.with_starts or not nodes:
+    """A sibling copy of the model whose outputs include every layer's starts, or a conventional
+    MoE's experts (None if it already has them). Beside the original so that external data
+    still resolves."""
+    if decoder_io.with_starts:
         return None
-    for node in nodes:  # the exporter emits them in layer order
-        model.graph.output.append(helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None))
+    model = onnx.load(str(path), load_external_data=False)
+    if decoder_io.is_moe:
+        if not experts_outputs(model):
+            return None
+    else:
+        op_type = custom_op_type(model.graph.node)
+        nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == op_type]
+        if not nodes:
+            return None
+        for node in nodes:  # the exporter emits them in layer order
+            model.graph.output.append(helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None))
     fd, copy = tempfile.mkstemp(prefix=f".{path.name}.validate.", suffix=".onnx", dir=path.parent)
     os.close(fd)
     onnx.save(model, copy)

@@ -17,6 +17,12 @@ several percent of a short test); what fails is a disagreement at a row's *first
 layer that rounding cannot explain: the reference's position more than BOUNDARY_TOLERANCE x
 (H - r + 1) units outside the window onnxruntime chose.
 
+A conventional MoE's export (export/moe.py) is checked the same way with its experts in place of
+the starts (read from the graph: the experts its router logits pick, spec §7's rule): a
+disagreement at a row's first diverging layer passes as a boundary case where the reference's
+logits of two experts next in order (among the top_k + 1) lie within TIE_TOLERANCE of each other,
+relative to the largest |logit|, and fails otherwise.
+
 An int8 / int4 export (SPEC §6) is checked the same way against the reference on the
 dequantized weights w' (level 1, the float tolerances), and its distance from the float32
 reference on the same inputs is reported beside it (level 2: logit error, top-1 and start
@@ -36,6 +42,7 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 import torch
 
+from ..checkpoint import require_arch
 from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..model import InfMoEGPT
@@ -49,6 +56,9 @@ DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2, "int8": 1e-4, "int4": 1e-4}
 # How far sigmoid(z) may move between backends: ~100 float32 ulps at 0.5; for fp16 exports
 # the router's input carries the earlier layers' fp16 FFN outputs.
 BOUNDARY_TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "int8": 1e-5, "int4": 1e-5}
+# How far a conventional MoE's router logits may move between backends, relative to max(1, |l|):
+# float32 dot products of D terms in another order, through the layers before.
+TIE_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -71,6 +81,7 @@ class ValidationReport:
     boundary_cases: int = 0                   # first-layer disagreements explained by rounding
     problems: List[str] = field(default_factory=list)
     level2: Optional[dict] = None             # quantized exports: against the float32 reference, not judged
+    routing: str = "starts"                   # what the routers choose: "starts", or a conventional MoE's "experts"
 
     @property
     def passed(self) -> bool:
@@ -79,10 +90,11 @@ class ValidationReport:
     def table(self):
         from rich.table import Table
 
+        boundaries = "window boundaries" if self.routing == "starts" else "near-ties"
         agreement = "n/a (dense)" if self.start_agreement is None else (
-            f"{100 * self.start_agreement:.3f}% ({self.boundary_cases} at window boundaries)")
-        table = Table(title=f"validation of {self.path.name}: atol {self.atol:g}, starts agree {agreement}")
-        for column in ("step", "output", "shape", "max abs", "max rel", "max abs (starts agree)", ""):
+            f"{100 * self.start_agreement:.3f}% ({self.boundary_cases} at {boundaries})")
+        table = Table(title=f"validation of {self.path.name}: atol {self.atol:g}, {self.routing} agree {agreement}")
+        for column in ("step", "output", "shape", "max abs", "max rel", f"max abs ({self.routing} agree)", ""):
             table.add_column(column, justify="right" if column.startswith("max") else "left")
         for c in self.outputs:
             table.add_row(c.step, c.name, "x".join(map(str, c.shape)), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
@@ -93,7 +105,7 @@ class ValidationReport:
             table.caption = (f"level 1 above (vs the dequantized reference); level 2, vs float32, not judged: "
                              f"logits max abs {self.level2['logit_error']['max']:.3g}, top-1 agreement "
                              f"{100 * self.level2['top1_agreement']:.1f}%"
-                             + ("" if starts is None else f", starts agree {100 * starts:.2f}%"))
+                             + ("" if starts is None else f", {self.routing} agree {100 * starts:.2f}%"))
         return table
 
 
@@ -132,7 +144,7 @@ def _compare(report: ValidationReport, step: str, decoder_io: DecoderIO, expecte
                                           max_agreeing, ok))
         if not ok:
             report.problems.append(f"{step}: {name} differs by {max_agreeing:.3g} > atol {report.atol:g} "
-                                   "over tokens whose starts agree")
+                                   f"over tokens whose {report.routing} agree")
 
 
 def _check_dims(report: ValidationReport, session, decoder_io: DecoderIO):
@@ -150,12 +162,14 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
     if not isinstance(exported, ExportedModel):
         exported = ExportedModel.read(exported)
     path, decoder_io = exported.path, exported.io
+    require_arch(model, decoder_io.config.model_type, f"validating {path}")
     if decoder_io.config != model.config:
         raise InfMoEError(f"{path} was exported from a different model config than the one given")
-    report = ValidationReport(path, DEFAULT_ATOL[decoder_io.dtype] if atol is None else atol)
+    report = ValidationReport(path, DEFAULT_ATOL[decoder_io.dtype] if atol is None else atol,
+                              routing="experts" if decoder_io.is_moe else "starts")
     # The level-1 reference: for a quantized export, the model on w' (TorchRunner dequantizes).
     reference = TorchRunner(dataclasses.replace(decoder_io, with_starts=True), model)
-    positions = {}  # layer -> the reference's continuous start positions, from a router hook
+    positions = {}  # layer -> the reference's router outputs (z, or an MoE's logits), from a hook
     hooks = [block.moe.router.register_forward_hook(
         lambda module, args, z, layer=layer: positions.__setitem__(layer, z.detach().double()))
         for layer, block in enumerate(reference.model.h)]
@@ -213,13 +227,14 @@ def validate_onnx(model: InfMoEGPT, exported: Union[ExportedModel, str, os.PathL
 
 def _check_starts(report: ValidationReport, step: str, decoder_io: DecoderIO, expected, starts, positions,
                   attention_mask: np.ndarray) -> tuple:
-    """Count equal starts of real tokens; judge each row's first diverging layer (see module doc).
-    A padded token is garbage by construction (its keys are all masked; the onnxruntime target's
-    fused attention computes other garbage than the reference) and is not counted. Returns
-    (equal starts, all starts)."""
+    """Count equal starts (a conventional MoE: experts) of real tokens; judge each row's first
+    diverging layer (see module doc). A padded token is garbage by construction (its keys are all
+    masked; the onnxruntime target's fused attention computes other garbage than the reference)
+    and is not counted. Returns (equal starts, all starts)."""
     c = decoder_io.config
-    windows = c.ffn_hidden - c.slice_width + 1
-    margin = BOUNDARY_TOLERANCE[decoder_io.dtype] * windows
+    if not decoder_io.is_moe:
+        windows = c.ffn_hidden - c.slice_width + 1
+        margin = BOUNDARY_TOLERANCE[decoder_io.dtype] * windows
     diverged = np.zeros(starts[0].shape[0], dtype=bool)  # per batch row
     real = np.broadcast_to(attention_mask[:, -starts[0].shape[1]:, None].astype(bool), starts[0].shape)
     same = total = 0
@@ -227,7 +242,9 @@ def _check_starts(report: ValidationReport, step: str, decoder_io: DecoderIO, ex
         differ = (expected[f"expert_starts.{layer}"] != actual) & real
         same, total = same + int((~differ & real).sum()), total + int(real.sum())
         first = differ & ~diverged[:, None, None]
-        if first.any():
+        if first.any() and decoder_io.is_moe:
+            _judge_experts(report, step, layer, positions[layer].numpy()[first.any(axis=-1)], c.top_k)
+        elif first.any():
             chosen = actual[first].astype(np.float64)
             position = (torch.sigmoid(positions[layer]) * windows).numpy()[first]
             outside = np.maximum(np.maximum(chosen - position, position - (chosen + 1)), 0)
@@ -238,3 +255,17 @@ def _check_starts(report: ValidationReport, step: str, decoder_io: DecoderIO, ex
                     f"rounding (reference position {outside.max():.3g} units outside onnxruntime's window)")
         diverged |= differ.any(axis=(1, 2))
     return same, total
+
+
+def _judge_experts(report: ValidationReport, step: str, layer: int, logits: np.ndarray, top_k: int):
+    """Tokens whose experts differ at their row's first diverging layer, by the reference's
+    logits [tokens, E]: a boundary case where two experts next in order among the top_k + 1 lie
+    within TIE_TOLERANCE of each other (relative to max(1, |logit|)), a problem otherwise."""
+    ordered = -np.sort(-logits, axis=-1)[:, :top_k + 1]
+    gaps = -np.diff(ordered, axis=-1).min(axis=-1) / np.maximum(1.0, np.abs(ordered).max(axis=-1))
+    tied = gaps <= TIE_TOLERANCE
+    report.boundary_cases += int(tied.sum())
+    if not tied.all():
+        report.problems.append(f"{step}: layer {layer}: {int((~tied).sum())} tokens' experts differ although no "
+                               f"two of their reference logits are within {TIE_TOLERANCE:g} (closest "
+                               f"{gaps[~tied].min():.3g} apart)")
