@@ -238,8 +238,8 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
 // Rows per work item: fixed blocks of the hidden units, from row 0, whatever the windows, so a
 // token's sums never depend on the tokens beside it.
 constexpr int64_t kItemRows = 256;
-// Beyond this many tokens a call takes the prefill path: the batched one keeps a partial output
-// per token and item (at most this many tokens x H / kItemRows x D floats).
+// The batched path keeps a partial output per token and item: it takes at most this many tokens
+// at a time (tokens x H / kItemRows x D floats), a larger call as consecutive groups of them.
 constexpr int64_t kBatchedMaxTokens = 256;
 
 // A few to a few dozen tokens: per work item, every block of kBlockRows rows is read once (as
@@ -331,6 +331,18 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
              const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0) return;
   if (path == Path::kInteger && !(xq && s.d % kGroup == 0)) path = Path::kBatched;
+  if ((path == Path::kBatched || path == Path::kInteger) && s.tokens > kBatchedMaxTokens) {
+    for (int64_t begin = 0; begin < s.tokens; begin += kBatchedMaxTokens) {
+      Sizes group = s;
+      group.tokens = std::min(kBatchedMaxTokens, s.tokens - begin);
+      const T* x_group = x + begin * s.d;
+      // Quantized per token: a group's int8 activations are the call's.
+      const QuantizedTokens xq_group(x_group, xq ? group.tokens : 0, s.d, xq ? xq->bits : 8);
+      Compute(group, x_group, xq ? &xq_group : nullptr, starts + begin * s.k, w_in, b_in, w_out, b_out,
+              y + begin * s.d, parallel_for, path);
+    }
+    return;
+  }
   if (xq && path != Path::kInteger) {
     const std::vector<T> dequantized = xq->Dequantized<T>(s.tokens, s.d);
     return Compute(s, dequantized.data(), nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for, path);
@@ -345,20 +357,26 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
   }
 }
 
+// Rows of the first call's matrices the path timing runs on.
+constexpr int64_t kCalibrationRows = 2 * kItemRows;
+
 // The path for this call (common/paths.h): with float activations GEMV for one token (streamed
 // at the bytes roofline); otherwise as timed once per process, format and kind of activations
-// (kInt8), on every token reading the first rows of the first call's matrices.
+// (kInt8), on the first kCalibrationRows rows of the first call's matrices, with the call's K
+// and its share of them per window (r / H), the windows spread as a router spreads them: timed
+// with every token on the same rows, the prefill GEMM looked faster than it is.
 template <typename T, bool kInt8, class Format>
 Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
   if (s.tokens <= 1 && !ForcedPath() && !kInt8) return Path::kGemv;
   static const PathChoice choice = [&] {
-    const int64_t most = CalibrationTokens(s.d);
-    const Sizes part{0, s.d, s.h, 1, std::min<int64_t>(s.h, 4 * kBlockRows)};
-    std::vector<T> x(most * s.d), b_in(s.h), b_out(s.d), y(most * s.d);
+    const int64_t most = CalibrationTokens(s.d), h = std::min(s.h, kCalibrationRows);
+    const Sizes part{0, s.d, h, s.k, std::clamp<int64_t>(s.r * h / s.h, 1, h)};
+    std::vector<T> x(most * s.d), b_in(h), b_out(s.d), y(most * s.d);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
     for (T& v : b_in) FromFloat(0.0f, &v);
     for (T& v : b_out) FromFloat(0.0f, &v);
-    const std::vector<int64_t> starts(most, 0);
+    std::vector<int64_t> starts(most * s.k);
+    for (size_t i = 0; i < starts.size(); ++i) starts[i] = static_cast<int64_t>(i * 2654435761u % 4294967296u) % (h - part.r + 1);
     const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
       for (size_t i = 0; i < n; ++i) body(i);
     };
@@ -373,9 +391,7 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
       return (path != Path::kInteger || (kInt8 && whole_groups)) && (path != Path::kGemv || tokens == 1);
     }, most);
   }();
-  const Path path = choice.For(s.tokens);
-  const bool batched = path == Path::kBatched || path == Path::kInteger;
-  return batched && s.tokens > kBatchedMaxTokens ? Path::kPrefill : path;
+  return choice.For(s.tokens);
 }
 
 
