@@ -16,9 +16,9 @@
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
 // With int8 activations (QContinuousSliceFFN, session option infmoe.activations = int8) x is
-// quantized once per call (common/int8_dots.h) and every path multiplies it: the integer path
-// (the GEMV's structure for one token, the batched one's for more, with w_in's dots in integers;
-// w_out's products, over rows, stay float) or, dequantized, the float ones.
+// quantized once per call (common/int8_dots.h) and every path multiplies it: the GEMV and batched
+// paths with w_in's dots in integers (w_out's products, over rows, stay float), the prefill GEMM
+// on the activations dequantized.
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
 // so every bit of the result) is the same for any number of threads.
 // Compiled once per CPU variant (common/variant.h).
@@ -323,15 +323,15 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
   }
 }
 
-// One call on `path`. With int8 activations (xq) the integer path needs rows of whole groups of
-// 32 columns (read as such: d a multiple of 32), else the batched path takes it; the float paths
-// multiply the activations dequantized.
+// One call on `path`. With int8 activations (xq) the GEMV and batched paths make w_in's dots in
+// integers where its rows are whole groups of 32 columns (read as such: d a multiple of 32); the
+// prefill path, and rows of a partial last group, multiply the activations dequantized.
 template <typename T, class Format>
 void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& w_in,
              const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
   if (s.tokens == 0) return;
-  if (path == Path::kInteger && !(xq && s.d % kGroup == 0)) path = Path::kBatched;
-  if ((path == Path::kBatched || path == Path::kInteger) && s.tokens > kBatchedMaxTokens) {
+  if (path == Path::kInteger) path = Path::kGemv;  // QMatMul's own: not taken (PathFor)
+  if (path == Path::kBatched && s.tokens > kBatchedMaxTokens) {
     for (int64_t begin = 0; begin < s.tokens; begin += kBatchedMaxTokens) {
       Sizes group = s;
       group.tokens = std::min(kBatchedMaxTokens, s.tokens - begin);
@@ -343,16 +343,14 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     }
     return;
   }
-  if (xq && path != Path::kInteger) {
+  if (xq && (path == Path::kPrefill || s.d % kGroup)) {
     const std::vector<T> dequantized = xq->Dequantized<T>(s.tokens, s.d);
     return Compute(s, dequantized.data(), nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for, path);
   }
   switch (path) {
-    case Path::kInteger:  // the GEMV's structure for one token, the batched one's for more
-      if (s.tokens == 1) return Decode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-      return BatchedDecode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-    case Path::kGemv: return Decode(s, x, nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-    case Path::kBatched: return BatchedDecode(s, x, nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kInteger:
+    case Path::kGemv: return Decode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kBatched: return BatchedDecode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kPrefill: return Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   }
 }
@@ -361,7 +359,7 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
 constexpr int64_t kCalibrationRows = 2 * kItemRows;
 
 // The path for this call (common/paths.h): with float activations GEMV for one token (streamed
-// at the bytes roofline); otherwise as timed once per process, format and kind of activations
+// at the bytes roofline); otherwise (GEMV per token too) as timed once per process, format and kind of activations
 // (kInt8), on the first kCalibrationRows rows of the first call's matrices, with the call's K
 // and its share of them per window (r / H), the windows spread as a router spreads them: timed
 // with every token on the same rows, the prefill GEMM looked faster than it is.
@@ -380,16 +378,13 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
     const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
       for (size_t i = 0; i < n; ++i) body(i);
     };
-    const bool whole_groups = s.d % kGroup == 0;
     return MeasurePaths([&](Path path, int64_t tokens) {
       Sizes sizes = part;
       sizes.tokens = tokens;
       const QuantizedTokens xq(x.data(), kInt8 ? tokens : 0, s.d, kBitsOf<Format>);
       Compute(sizes, x.data(), kInt8 ? &xq : nullptr, starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(),
               inline_for, path);
-    }, [&](Path path, int64_t tokens) {
-      return (path != Path::kInteger || (kInt8 && whole_groups)) && (path != Path::kGemv || tokens == 1);
-    }, most);
+    }, [](Path path, int64_t) { return path != Path::kInteger; }, most);
   }();
   return choice.For(s.tokens);
 }
