@@ -63,14 +63,17 @@ def build(scratch: Path, log) -> Path:
 
 
 def session_steps(repo: Path, past: int, threads: int) -> dict:
-    """{B: one decode step of B sequences at `past`} on the served model's own file."""
+    """{B: one decode step of B sequences at `past`} on the served model's own file, with the
+    kernel library the server loads (the repository's copy, not whatever is installed now)."""
     from infmoe_export.contract import ExportedModel
     from infmoe_export.report.bench import text_tokens
+    from infmoe_export.runtimes import ort_kernel
     from infmoe_export.runtimes.ort import SharedCache, create_session
-    from infmoe_export.serving.repository import read_repository
+    from infmoe_export.serving.repository import LIBRARY, read_repository
 
     route = read_repository(repo)["routes"][f"{K}/{PRECISION}"]
     exported = ExportedModel.read(repo / route["onnx"])
+    os.environ[ort_kernel.ENV_VAR] = str(repo / route["triton"] / LIBRARY)
     session = create_session(exported, providers=["CPUExecutionProvider"], intra_op_threads=threads)
     steps = {}
     for batch in SESSION_BATCHES:
