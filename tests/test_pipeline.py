@@ -1,6 +1,7 @@
 """`infmoe-export pipeline` end to end on a small random odd-shaped checkpoint: the whole matrix
-(`--full`, one K, both noise modes) with a dense baseline through the installed console script,
-the quick tour, an interrupted run; and its failure paths in-process."""
+(`--full`, one K, both noise modes) with a dense and a conventional-MoE baseline through the
+installed console script, the quick tour, an interrupted run; and its failure paths in-process;
+`eval` with its baselines and its trade-off chart."""
 
 import json
 import signal
@@ -9,15 +10,28 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from infmoe_export.checkpoint import save_checkpoint
 from infmoe_export.contract import ExportedModel
-from infmoe_export.model import InfMoEConfig, InfMoEGPT
+from infmoe_export.model import InfMoEConfig, InfMoEGPT, MoEConfig, MoEGPT
 from infmoe_export.report.render import validate_report
 
 CONFIG = InfMoEConfig(vocab_size=256, n_positions=33, d_model=20, n_layer=2, n_head=2, ffn_hidden=29,
                       slice_width=7, num_samples=2)
+# A conventional MoE of the same attention stack: 4 experts of 7 units, top 2.
+MOE_CONFIG = MoEConfig(vocab_size=256, n_positions=33, d_model=20, n_layer=2, n_head=2, ffn_hidden=28, num_experts=4,
+                       top_k=2, router_softmax="selected")
+
+
+def baseline_checkpoints(folder: Path, seed: int):
+    """A dense baseline (H = CONFIG's, one window of all of it) and a conventional MoE, random."""
+    dense = InfMoEGPT(InfMoEConfig(**{**CONFIG.to_dict(), "slice_width": CONFIG.ffn_hidden, "num_samples": 1}))
+    dense.reset_parameters(seed=seed)
+    moe = MoEGPT(MOE_CONFIG)
+    moe.reset_parameters(seed=seed + 1)
+    return save_checkpoint(dense, folder / "dense-H"), save_checkpoint(moe, folder / "moe-4x7-top2")
 FAST = ["--max-windows", "2", "--iters", "10", "--budget", "0.1", "--warmup", "1", "--threads", "1", "--dtype", "fp32"]
 
 
@@ -30,13 +44,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(checkpoint):
-    dense = InfMoEGPT(InfMoEConfig(**{**CONFIG.to_dict(), "slice_width": CONFIG.ffn_hidden, "num_samples": 1}))
-    dense.reset_parameters(seed=4)
-    baseline = save_checkpoint(dense, checkpoint.parent / "dense-H")
+    dense, moe = baseline_checkpoints(checkpoint.parent, seed=4)
     out = checkpoint.parent / "out"
     result = subprocess.run([str(Path(sys.executable).parent / "infmoe-export"), "pipeline", "--checkpoint",
-                             str(checkpoint), "--out", str(out), "--full", "--k", "2", "--baseline",
-                             str(baseline), *FAST], capture_output=True, text=True, timeout=900)
+                             str(checkpoint), "--out", str(out), "--full", "--k", "2", "--baseline", str(dense),
+                             "--baseline", str(moe), *FAST], capture_output=True, text=True, timeout=900)
     return result, out
 
 
@@ -75,9 +87,14 @@ def test_pipeline_report_content(run):
         row = tradeoff[("ort-fallback", noise)]
         assert row["k"] == 2 and row["perplexity"] > 1 and row["decode_ms"]["median"] > 0 and row["dtype"] == "fp32"
     assert tradeoff[("ort-fallback", "quantile")]["prefill_tokens_per_s"] > 0
-    baseline, = report["baselines"]
-    assert baseline["name"] == "dense-H" and baseline["ffn_hidden"] == baseline["slice_width"] == CONFIG.ffn_hidden
-    assert baseline["perplexity"] > 1 and baseline["decode_ms"]["median"] > 0
+    dense, moe = report["baselines"]  # at the run's precision, timed where the models under test are
+    assert (dense["name"], dense["model_type"], dense["k"]) == ("dense-H", "infmoe-gpt2", 1)
+    assert dense["ffn_hidden"] == dense["active_units"] == CONFIG.ffn_hidden
+    assert (moe["name"], moe["model_type"], moe["k"], moe["active_units"]) == ("moe-4x7-top2", "moe-gpt2", 2, 14)
+    deployed = {r["backend"] for r in report["tradeoff"] if r["backend"] != "torch" and r["decode_ms"]}
+    for baseline in (dense, moe):
+        assert baseline["dtype"] == "fp32" and baseline["backend"] in deployed and baseline["perplexity"] > 1
+        assert baseline["decode_ms"]["median"] > 0 and baseline["prefill_tokens_per_s"] > 0
     memory = {r["backend"]: r for r in report["memory"]["results"]}
     assert memory["ort-fallback"]["status"] == "ok" and memory["ort-fallback"]["peak_rss_bytes"] > 0
     assert "**Baselines**" in (out / "report.md").read_text()
@@ -254,3 +271,28 @@ def test_eval_scores_baselines_beside_the_checkpoint(checkpoint, tmp_path, run_c
     assert all(r["perplexity"] > 1 for r in records)
     status, _, err = run_cli("eval", "--checkpoint", str(checkpoint), "--baseline", str(tmp_path / "missing"))
     assert status == 1 and "is not a checkpoint" in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_chart_times_the_checkpoint_and_its_baselines_at_one_precision(checkpoint, tmp_path, run_cli):
+    """--dtype int4 --chart: every perplexity on the int4 weights, every model and baseline exported
+    as all-int4 and timed in onnxruntime (decode and prefill), and the chart with both kinds of
+    baseline on it."""
+    from matplotlib.image import imread
+
+    dense, moe = baseline_checkpoints(tmp_path, seed=6)
+    chart = tmp_path / "chart.png"
+    args = ["eval", "--checkpoint", str(checkpoint), "--k", "1,2", "--baseline", str(dense), "--baseline", str(moe),
+            "--for", "portable", "--json"]
+    status, out, err = run_cli(*args, "--dtype", "int4", "--chart", str(chart))
+    assert status == 0, err
+    records = json.loads(out)
+    assert [(r["baseline"], r["k"], r["dtype"]) for r in records] == [
+        (None, 1, "int4"), (None, 2, "int4"), ("dense-H", 1, "int4"), ("moe-4x7-top2", 2, "int4")]
+    assert all(r["decode_ms"]["median"] > 0 and r["prefill_tokens_per_s"] > 0 for r in records)
+    status, out, _ = run_cli(*args)  # fp32, no chart: other perplexities, no latency
+    float_records = json.loads(out)
+    assert all(r["decode_ms"] is None for r in float_records)
+    assert all(abs(f["perplexity"] - q["perplexity"]) > 1e-6 for f, q in zip(float_records, records))
+    pixels = imread(str(chart))[..., :3]
+    for rgb in ((0.41, 0.41, 0.41), (0.545, 0.271, 0.075)):  # the dense and the conventional-MoE baseline
+        assert (np.abs(pixels - np.array(rgb)).max(axis=-1) < 0.03).sum() > 50

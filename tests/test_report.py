@@ -27,7 +27,7 @@ from infmoe_export.report.timing import within_noise
 from infmoe_export.options import export_choices, precision_list
 from infmoe_export.report.bench import run_bench
 from infmoe_export.report.memory import run_memory
-from infmoe_export.report.render import build_report, load_schema, validate_report, write_report
+from infmoe_export.report.render import PLOT_ALT, build_report, load_schema, validate_report, write_report
 from infmoe_export.report.timing import environment, latency_summary, median_ci, memory_bandwidth
 from infmoe_export.report.tradeoff import plot_tradeoff
 from infmoe_export.runtimes.ort_kernel import custom_op_library
@@ -457,7 +457,7 @@ def test_markdown_is_verdict_first_with_narrow_tables(setup, tmp_path):
     assert lines[0] == "# infmoe-export pipeline: PASSED"
     first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
     verdict = next(i for i, line in enumerate(lines) if line.startswith("- ✓ ort-fallback fp32: passed"))
-    chart = lines.index("![Pareto chart: perplexity against decode latency per backend, precision and K](tradeoff.png)")
+    chart = lines.index(f"![{PLOT_ALT}](tradeoff.png)")
     assert verdict < chart < first_table
     assert "| ort-fallback | fp32 | quantile | 1 | pass |" in markdown
     widths = [line.count(" | ") + 1 for line in lines if line.startswith("| ")]
@@ -470,29 +470,41 @@ def test_markdown_is_verdict_first_with_narrow_tables(setup, tmp_path):
 
 
 def test_chart_renders_with_baselines(setup, tmp_path):
+    """A dense and a conventional-MoE baseline, each timed at decode and prefill on the backend and
+    precision of the models under test: in the report's table and on both panels of the chart."""
     from matplotlib.image import imread
 
-    facts = [{"name": "dense-small", "checkpoint": "x", "ffn_hidden": 9, "slice_width": 9, "parameters": 1000,
-              "perplexity": 250.0},
-             {"name": "dense-large", "checkpoint": "y", "ffn_hidden": 37, "slice_width": 37, "parameters": 3000,
-              "perplexity": 240.0}]
+    facts = [{"name": "dense-small", "checkpoint": "x", "model_type": "infmoe-gpt2", "dtype": "fp32", "k": 1,
+              "ffn_hidden": 9, "active_units": 9, "parameters": 1000, "perplexity": 250.0},
+             {"name": "moe-2x9-top1", "checkpoint": "y", "model_type": "moe-gpt2", "dtype": "fp32", "k": 1,
+              "ffn_hidden": 18, "active_units": 9, "parameters": 3000, "perplexity": 240.0}]
     bench = json.loads(json.dumps(setup["report"]["bench"]))
-    template = next(r for r in bench["results"] if r["status"] == "ok" and r["phase"] == "decode")
-    for i, fact in enumerate(facts):
-        bench["results"].append({**template, "backend": "ort-fallback", "baseline": fact["name"],
-                                 "latency_ms": {**template["latency_ms"], "median": 0.5 + i, "ci_low": 0.4 + i,
-                                                "ci_high": 0.6 + i}})
+    for phase in ("decode", "prefill"):
+        template = next(r for r in bench["results"] if r["status"] == "ok" and r["phase"] == phase)
+        for i, fact in enumerate(facts):
+            bench["results"].append({**template, "backend": "ort-fallback", "baseline": fact["name"],
+                                     "tokens_per_s": 1000.0 * (i + 1),
+                                     "latency_ms": {**template["latency_ms"], "median": 0.5 + i, "ci_low": 0.4 + i,
+                                                    "ci_high": 0.6 + i}})
     report = build_report("pipeline", "test", "ckpt", CONFIG.to_dict(), environment(1),
                           parity=setup["report"]["parity"], bench=bench, baselines=facts)
-    assert [(b["name"], b["decode_ms"]["median"]) for b in report["baselines"]] == [("dense-small", 0.5),
-                                                                                   ("dense-large", 1.5)]
+    assert [(b["name"], b["decode_ms"]["median"], b["prefill_tokens_per_s"], b["backend"])
+            for b in report["baselines"]] == [("dense-small", 0.5, 1000.0, "ort-fallback"),
+                                              ("moe-2x9-top1", 1.5, 2000.0, "ort-fallback")]
     paths = write_report(report, tmp_path / "out")
-    assert "**Baselines**" in paths["markdown"].read_text()
+    markdown = paths["markdown"].read_text()
+    assert "**Baselines**" in markdown and "conventional MoE" in markdown and "9 / 18" in markdown
     pixels = imread(str(paths["plot"]))[..., :3]
-    grey = (np.abs(pixels - 0.41).max(axis=-1) < 0.03)  # dimgray stars
-    assert grey.sum() > 50
+    width = pixels.shape[1]
+
+    def coloured(image, rgb):
+        return np.abs(image - np.array(rgb)).max(axis=-1) < 0.03
+
+    grey, brown = (0.41, 0.41, 0.41), (0.545, 0.271, 0.075)  # dimgray stars, saddlebrown crosses
+    for rgb in (grey, brown):  # on both panels
+        assert coloured(pixels[:, :width // 2], rgb).sum() > 50 and coloured(pixels[:, width // 2:], rgb).sum() > 50
     without = imread(__import__("io").BytesIO(plot_tradeoff(report["tradeoff"], [])))[..., :3]
-    assert (np.abs(without - 0.41).max(axis=-1) < 0.03).sum() < grey.sum()
+    assert coloured(without, brown).sum() < coloured(pixels, brown).sum()
 
 
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -33,7 +33,7 @@ import click
 import torch
 from rich.console import Console
 
-from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
 from ..errors import InfMoEError
 from ..export import export_many
 from ..files import check_replaceable_dir, locked, staged_dir
@@ -41,7 +41,7 @@ from ..model import NOISE_MODES
 from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
                        export_choices, positive_ints)
 from ..report.baselines import baseline_paths, prepare_baselines
-from ..report.bench import DEFAULT_PAST, run_bench
+from ..report.bench import DEFAULT_PAST, deployed_backend, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, export_labels, level2_as_advice, print_summary, write_report
 from ..report.small_model import small_model_speed
@@ -152,7 +152,7 @@ class Stages:
                    f"memory. Without it, a quick tour: --dtype {TOUR.dtypes}, --k {TOUR.ks}, --noise {TOUR.noises}, "
                    "the deployed backend.")
 @click.option("--k", "ks", default=None, help=f"Expert budgets K, comma-separated (default {TOUR.ks}; --full "
-                                               f"{FULL.ks}).")
+                                               f"{FULL.ks}; a conventional MoE: its top_k).")
 @click.option("--noise", "noise_list", default=None,
               help=f"Noise modes, comma-separated (default {TOUR.noises}; --full {FULL.noises}).")
 @export_choice_options(many=True, deployments=("onnxruntime", "portable"))
@@ -160,8 +160,8 @@ class Stages:
               help=f"Windows of n_positions tokens of validation text for parity (default {TOUR.max_windows}; "
                    f"--full {FULL.max_windows}).")
 @click.option("--baseline", "baselines", type=click.Path(), multiple=True,
-              help="Baseline checkpoint(s) drawn as reference points (--full: the bundled dense baselines, if "
-                   "present).")
+              help="Baseline checkpoint(s) drawn as reference points, at the same runtime and precision (--full: "
+                   "the bundled baselines that are present: dense, conventional MoE).")
 @click.option("--no-baselines", is_flag=True, help="No baselines, not even the bundled ones.")
 @click.option("--quality-budget", type=FiniteFloat(min=0), default=100 * DEFAULT_QUALITY_BUDGET, show_default=True,
               help="The recommendation: the fastest configuration whose perplexity is within this many percent of "
@@ -185,8 +185,10 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
     memory), reports. By default a quick tour of the deployed artifact. Exits 1 when a backend
     fails parity level 1; a precision over the accuracy budget is reported, not failed."""
     matrix = FULL if full else TOUR
-    ks = positive_ints(ks or matrix.ks, "--k")
-    noise_list = noise_list or matrix.noises
+    config = read_config(checkpoint or DEFAULT_CHECKPOINT)
+    moe = config.model_type == "moe-gpt2"  # one K, its top_k, and no noise
+    ks = positive_ints(ks, "--k") if ks else [config.default_k] if moe else positive_ints(matrix.ks)
+    noise_list = noise_list or ("quantile" if moe else matrix.noises)
     noises = [n.strip() for n in noise_list.split(",") if n.strip()]
     if not noises or any(n not in NOISE_MODES for n in noises):
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
@@ -215,11 +217,6 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
                   markup=False)
     if failure:
         raise InfMoEError(failure)
-
-
-def deployed_backend(kernel: bool) -> str:
-    """The backend a deployment runs: onnxruntime with our kernel, or its fallback function without it."""
-    return "ort" if kernel else "ort-fallback"
 
 
 def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choices, matrix: Matrix, baselines,
@@ -271,7 +268,8 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
         if not baselines:
             return "skipped", "no baseline checkpoints (--baseline CKPT; none bundled)"
         advance(", ".join(p.name for p in baselines))
-        timed_baselines, baseline_facts = prepare_baselines(baselines, work / "baselines", max_windows=max_windows)
+        timed_baselines, baseline_facts = prepare_baselines(baselines, work / "baselines", choices,
+                                                            max_windows=max_windows)
         return "ok", None
 
     def parity(advance):
@@ -286,7 +284,8 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
         common = dict(backends=backends, warmup=warmup, iters=iters, budget_s=budget_s, rel_ci=REL_CI, past=past,
                       engines=engines, threads=threads, progress=advance)
         quantile = run_bench(torch_model, [m for m in models if m.noise == "quantile"], batches=matrix.batches,
-                             seqs=(1, min(PREFILL, n)), baselines=timed_baselines, **common)
+                             seqs=(1, min(PREFILL, n)), baselines=timed_baselines,
+                             baseline_backend=deployed_backend(kernel), **common)
         sampled = run_bench(torch_model, [m for m in models if m.noise == "sampled"], batches=(1,), seqs=(1,),
                             **common)
         bench_section = {**quantile, "results": quantile["results"] + sampled["results"]}
@@ -301,11 +300,11 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
     parity_section = bench_section = memory_section = None
     timed_baselines, baseline_facts = [], []
     n_models = len(choices) * len(ks) * len(noises)
-    quantile_configs = len(backends) * len(choices) * len(ks) * ("quantile" in noises) + len(baselines)
+    quantile_configs = (len(backends) * len(ks) * ("quantile" in noises) + len(baselines)) * len(choices)
     shapes = len(matrix.batches) * 2 + ("sampled" in noises)  # decode and prefill per batch; sampled decode
     plan = [("export", n_models, COST["export"]), ("validate", n_models, COST["validate"])]
     plan += [("tensorrt", 2, COST["tensorrt"] / 2)] if matrix.full else []
-    plan += [("baselines", 1, COST["baselines"] * len(baselines))] if matrix.full or baselines else []
+    plan += [("baselines", 1, COST["baselines"] * len(baselines) * len(choices))] if matrix.full or baselines else []
     plan += [("parity", n_models, COST["parity"]), ("latency", shapes, budget_s * max(quantile_configs, 1))]
     plan += [("memory", len(dtypes) * len(backends), COST["memory"])] if matrix.full else []
     stage_work = {"export": export, "validate": validate, "tensorrt": tensorrt, "baselines": baseline,

@@ -28,7 +28,8 @@ FLOAT_TORCH = ("fp32", "fp16")  # PyTorch runs float weights: a quantized model'
 
 
 class Baseline(NamedTuple):
-    """A dense baseline checkpoint exported for the trade-off: timed beside the ∞-MoE models."""
+    """A baseline checkpoint (dense, a conventional MoE) exported for the trade-off: timed beside
+    the models under test (baselines.py)."""
     name: str
     model: ExportedModel
     torch_model: object
@@ -70,6 +71,16 @@ def blank_row(backend: str, model: ExportedModel, batch: int, seq: int, past: in
             "tokens_per_s": None}
 
 
+def deployed_backend(kernel: Optional[bool] = None) -> str:
+    """The backend a deployment runs: onnxruntime with our kernel library, or on the models'
+    fallback functions without it; kernel None: whether the library is installed here."""
+    if kernel is None:
+        from ..runtimes.ort_kernel import custom_op_library
+
+        kernel = custom_op_library() is not None
+    return "ort" if kernel else "ort-fallback"
+
+
 def why_not(backend: str, model: ExportedModel, engines) -> Optional[str]:
     """Why a backend does not time this model here, or None."""
     if backend == "torch" and model.io.dtype not in FLOAT_TORCH:
@@ -99,10 +110,11 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
               batches: Sequence[int] = (1, 4), seqs: Sequence[int] = (1, 128), past: int = DEFAULT_PAST,
               warmup: int = 5, iters: int = 200, budget_s: float = 2.0, rel_ci: float = REL_CI,
               engines: Optional[Path] = None, threads: Optional[int] = None, baselines: Sequence[Baseline] = (),
-              progress=None) -> dict:
+              baseline_backend: str = "ort", progress=None) -> dict:
     """The report's bench section. Every (backend, model) runner stays loaded; per (batch, seq)
     shape they are timed together, interleaved, for at most budget_s seconds per configuration
-    (timing.interleaved). Baselines are timed on onnxruntime (plain MatMuls) at batch-1 decode.
+    (timing.interleaved). Baselines are timed on baseline_backend (the runtime the models under
+    test are deployed on) at the batch-1 shapes: decode and prefill.
     progress(description) is called before each shape."""
     check_shapes(torch_model.config, seqs, past)
     shapes = [(b, s) for b in batches for s in seqs]
@@ -122,9 +134,12 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
                                 stack.enter_context(registry.make_runner(backend, model, torch_model, engines,
                                                                          threads, taking_turns=True))))
         for name, model, base_torch in baselines:
-            results[("ort-fallback", model.path, 1, 1)] = blank_row("ort-fallback", model, 1, 1, past, name)
-            runners.append(("ort-fallback", model, name,
-                            stack.enter_context(registry.make_runner("ort-fallback", model, base_torch, None,
+            for batch, seq in shapes:
+                if batch == 1:
+                    results[(baseline_backend, model.path, 1, seq)] = blank_row(baseline_backend, model, 1, seq, past,
+                                                                                name)
+            runners.append((baseline_backend, model, name,
+                            stack.enter_context(registry.make_runner(baseline_backend, model, base_torch, None,
                                                                      threads, taking_turns=True))))
         for batch, seq in shapes:
             if progress:
@@ -132,7 +147,7 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
             keys, calls = [], []
             for backend, model, baseline, runner in runners:
                 key = (backend, model.path, batch, seq)
-                if key not in results or (baseline and (batch, seq) != (1, 1)):
+                if key not in results or (baseline and batch != 1):
                     continue
                 if seq == 1 and not model.io.past:
                     results[key]["reason"] = NO_PAST

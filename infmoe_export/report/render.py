@@ -24,12 +24,14 @@ from ..quant import PRECISIONS
 from ..runtimes.registry import BACKENDS
 from ..verify.parity import failures, label
 from .timing import within_noise
-from .tradeoff import DEFAULT_QUALITY_BUDGET, baseline_rows, plot_tradeoff, recommendation, tradeoff_rows
+from .tradeoff import (DEFAULT_QUALITY_BUDGET, baseline_kind, baseline_rows, plot_tradeoff, recommendation,
+                       tradeoff_rows)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 TEXT_COLUMNS = {"note", "versions", "kernel library", "CPU", "checkpoint", "reason"}
 PLOT_FILE = "tradeoff.png"
-PLOT_ALT = "Pareto chart: perplexity against decode latency per backend, precision and K"
+PLOT_ALT = ("Pareto chart: perplexity against decode latency and prefill per backend, precision and K, beside "
+            "the baselines")
 
 
 class Table(NamedTuple):
@@ -344,10 +346,12 @@ def latency_tables(report: dict) -> List[Section]:
 
 def run_section(report: dict) -> Section:
     c = report["model"]["config"]
-    tables = [Table("Model", ["checkpoint", "D", "L", "heads", "H", "r", "trained K", "V", "positions"],
+    moe = c.get("model_type") == "moe-gpt2"  # a conventional MoE: experts and top_k in place of r and K
+    tables = [Table("Model", ["checkpoint", "D", "L", "heads", "H", "experts" if moe else "r",
+                              "top_k" if moe else "trained K", "V", "positions"],
                     [[report["model"]["checkpoint"], *(str(c.get(key)) for key in (
-                        "d_model", "n_layer", "n_head", "ffn_hidden", "slice_width", "num_samples", "vocab_size",
-                        "n_positions"))]], [False])]
+                        "d_model", "n_layer", "n_head", "ffn_hidden", "num_experts" if moe else "slice_width",
+                        "top_k" if moe else "num_samples", "vocab_size", "n_positions"))]], [False])]
     if report["stages"]:
         tables.append(Table("Stages", ["stage", "status", "seconds", "note"],
                             [[s["name"], s["status"], f"{s['seconds']:.1f}", s["note"] or ""] for s in report["stages"]],
@@ -393,13 +397,20 @@ def memory_table(report: dict) -> Table:
 
 def baselines_table(report: dict) -> Table:
     rows = report["baselines"]
-    return Table("Baselines", ["name", "FFN hidden", "window r", "parameters (M)", "perplexity", "decode ms [95% CI]",
-                               "backend"],
-                 [[b["name"], str(b["ffn_hidden"]), str(b["slice_width"]), sig(b["parameters"] / 1e6),
-                   ppl(b["perplexity"]), interval(b["decode_ms"]), b["backend"] or "—"] for b in rows],
+    def kind(b):
+        return {"dense": "dense", "conventional MoE": f"conventional MoE, top-{b['k']}"}.get(baseline_kind(b),
+                                                                                          f"∞-MoE, K={b['k']}")
+
+    return Table("Baselines", ["name", "kind", "FFN units a token / all", "parameters (M)", "precision", "perplexity",
+                               "decode ms [95% CI]", "prefill tok/s", "backend"],
+                 [[b["name"], kind(b), f"{b['active_units']} / {b['ffn_hidden']}", sig(b["parameters"] / 1e6),
+                   b["dtype"], ppl(b["perplexity"]), interval(b["decode_ms"]), sig(b["prefill_tokens_per_s"]),
+                   b["backend"] or "—"] for b in rows],
                  [False] * len(rows),
-                 "Reference points of the chart: each checkpoint exported in float32 and timed in the same "
-                 "interleaved loop as the ∞-MoE configurations; perplexity on the same text.")
+                 "Reference points of the chart, compared at the same runtime and precision: each checkpoint "
+                 "exported with the run's export choice at its own K (a conventional MoE: its top_k), its perplexity "
+                 "on the same text with the weights that precision stores, its decode step and prefill timed on the "
+                 "same backend in the same interleaved loop as the configurations under test.")
 
 
 def front_table(report: dict) -> Table:

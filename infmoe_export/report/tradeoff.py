@@ -1,6 +1,6 @@
-"""The trade-off: perplexity (from parity) against batch-1 decode latency (from bench) per
-backend, precision, noise mode and expert budget K, as table rows, the recommendation the data
-supports, and one Pareto chart with the dense baselines as reference points."""
+"""The trade-off: perplexity (from parity) against batch-1 decode latency and prefill (from bench)
+per backend, precision, noise mode and expert budget K, as table rows, the recommendation the data
+supports, and one Pareto chart with the baselines (dense, conventional MoE) as reference points."""
 
 import io
 from typing import List, Optional
@@ -51,11 +51,19 @@ def tradeoff_rows(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
 
 
 def baseline_rows(bench: Optional[dict], facts: List[dict]) -> List[dict]:
-    """The baselines' facts (baselines.prepare_baselines) with their batch-1 decode latency."""
-    timed = {r["baseline"]: r for r in (bench or {}).get("results", []) if r["baseline"] and r["status"] == "ok"}
-    return [{**f, "backend": timed[f["name"]]["backend"] if f["name"] in timed else None,
-             "decode_ms": {key: timed[f["name"]]["latency_ms"][key] for key in ("median", "ci_low", "ci_high")}
-             if f["name"] in timed else None} for f in facts]
+    """The baselines' facts (baselines.prepare_baselines, one per baseline and precision) with the
+    backend they were timed on, their batch-1 decode latency and prefill tokens/s."""
+    out = []
+    for fact in facts:
+        timed = [r for r in (bench or {}).get("results", [])
+                 if (r["baseline"], r["dtype"]) == (fact["name"], fact["dtype"]) and r["status"] == "ok"]
+        decode = next((r for r in timed if r["phase"] == "decode"), None)
+        prefill = [r["tokens_per_s"] for r in timed if r["phase"] == "prefill"]
+        out.append({**fact, "backend": timed[0]["backend"] if timed else None,
+                    "decode_ms": {key: decode["latency_ms"][key] for key in ("median", "ci_low", "ci_high")}
+                    if decode else None,
+                    "prefill_tokens_per_s": max(prefill) if prefill else None})
+    return out
 
 
 DEFAULT_QUALITY_BUDGET = 0.02  # a perplexity within 2% of the best the run measured counts as as good
@@ -98,12 +106,30 @@ def chart_rows(rows: List[dict]) -> List[dict]:
     return quantile or drawable
 
 
+# The baselines' look, per kind: a dense model, a conventional MoE, another ∞-MoE.
+BASELINE_STYLE = {"dense": ("*", "dimgray"), "conventional MoE": ("P", "saddlebrown"), "∞-MoE": ("X", "purple")}
+
+
+def baseline_kind(fact: dict) -> str:
+    if fact["model_type"] == "moe-gpt2":
+        return "conventional MoE"
+    return "dense" if fact["active_units"] == fact["ffn_hidden"] else "∞-MoE"
+
+
+def prefill_ms_per_token(row: dict) -> Optional[float]:
+    """The prefill figure the chart draws: ms per token at the best batch (1 / tokens/s)."""
+    return 1e3 / row["prefill_tokens_per_s"] if row.get("prefill_tokens_per_s") else None
+
+
 def plot_tradeoff(rows: List[dict], baselines: List[dict], recommended: Optional[dict] = None) -> bytes:
-    """PNG, the Pareto chart: perplexity over batch-1 decode latency (median, its interval as a
-    horizontal bar), a colour per backend, a marker per precision, a line over K per (backend,
-    precision) drawn dotted where two neighbouring K are within noise; dense baselines as grey
-    stars. With the report's recommendation: its Pareto front ringed, the quality budget's bound
-    as a dashed line, and the recommended configuration ringed in red."""
+    """PNG, the Pareto chart in two panels sharing the perplexity axis: against the batch-1 decode
+    step (median, its interval as a horizontal bar) and against prefill (ms per token at the best
+    batch). A colour per backend, a marker per precision, a line over K per (backend, precision)
+    drawn dotted where two neighbouring K are within noise (decode); the baselines as labelled
+    reference points (dense: grey stars, conventional MoE: brown crosses), each at the precision
+    and on the backend it was measured with. With the report's recommendation (decode panel): its
+    Pareto front ringed, the quality budget's bound as a dashed line, the recommended
+    configuration ringed in red."""
     try:
         import matplotlib
     except ImportError:
@@ -113,7 +139,7 @@ def plot_tradeoff(rows: List[dict], baselines: List[dict], recommended: Optional
     import matplotlib.ticker
 
     shown = chart_rows(rows)
-    figure, axis = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+    figure, (decode, prefill) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=100, sharey=True)
     colours = {b: f"C{i}" for i, b in enumerate(BACKENDS)}
     for key in sorted({order(r)[:3] for r in shown}):
         series = [r for r in shown if order(r)[:3] == key]
@@ -122,36 +148,53 @@ def plot_tradeoff(rows: List[dict], baselines: List[dict], recommended: Optional
         y = [r["perplexity"] for r in series]
         errors = [[m - r["decode_ms"]["ci_low"] for m, r in zip(x, series)],
                   [r["decode_ms"]["ci_high"] - m for m, r in zip(x, series)]]
-        axis.errorbar(x, y, xerr=errors, fmt=MARKERS.get(dtype, "o"), color=colours[backend], capsize=2,
-                      label=f"{backend} {dtype}")
+        decode.errorbar(x, y, xerr=errors, fmt=MARKERS.get(dtype, "o"), color=colours[backend], capsize=2,
+                        label=f"{backend} {dtype}")
         for a, b in zip(series, series[1:]):
-            axis.plot([a["decode_ms"]["median"], b["decode_ms"]["median"]], [a["perplexity"], b["perplexity"]],
-                      color=colours[backend], linestyle=":" if b["decode_within_noise"] else "-", linewidth=1)
-        for r, xi, yi in zip(series, x, y):
-            axis.annotate(f"K={r['k']}", (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            decode.plot([a["decode_ms"]["median"], b["decode_ms"]["median"]], [a["perplexity"], b["perplexity"]],
+                        color=colours[backend], linestyle=":" if b["decode_within_noise"] else "-", linewidth=1)
+        prefilled = [r for r in series if prefill_ms_per_token(r)]
+        prefill.plot([prefill_ms_per_token(r) for r in prefilled], [r["perplexity"] for r in prefilled],
+                     marker=MARKERS.get(dtype, "o"), color=colours[backend], linewidth=1)
+        for r in series:
+            for axis, xi in ((decode, r["decode_ms"]["median"]), (prefill, prefill_ms_per_token(r))):
+                if xi:
+                    axis.annotate(f"K={r['k']}", (xi, r["perplexity"]), textcoords="offset points", xytext=(4, 3),
+                                  fontsize=7)
     if recommended:
         front = recommended["front"]
-        axis.scatter([r["decode_ms"]["median"] for r in front], [r["perplexity"] for r in front], s=160,
-                     facecolors="none", edgecolors="black", linewidths=1, label="Pareto front")
-        axis.axhline(recommended["perplexity_bound"], color="black", linestyle="--", linewidth=0.8,
-                     label=f"quality budget: best +{100 * recommended['quality_budget']:g}%")
-        axis.scatter([recommended["decode_ms"]["median"]], [recommended["perplexity"]], s=260, facecolors="none",
-                     edgecolors="red", linewidths=2, label="recommended")
-    for i, b in enumerate(b for b in baselines if b["decode_ms"]):
-        axis.scatter([b["decode_ms"]["median"]], [b["perplexity"]], marker="*", s=140, color="dimgray",
-                     label="baseline" if i == 0 else None)
-        axis.annotate(b["name"], (b["decode_ms"]["median"], b["perplexity"]), textcoords="offset points",
-                      xytext=(5, -10), fontsize=8, color="dimgray")
-    axis.set_xscale("log")  # backends differ by orders of magnitude
-    axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 0.3, not 3×10⁻¹
-    axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axis.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3f"))  # as the tables
-    axis.set_xlabel("decode step, batch 1: median ms (bar: 95% interval; dotted: K within noise)")
-    axis.set_ylabel("perplexity (validation text)")
-    axis.set_title("accuracy against cost: lower left is better", fontsize=10)
-    axis.grid(True, which="both", alpha=0.3)
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize=7, loc="best")
+        decode.scatter([r["decode_ms"]["median"] for r in front], [r["perplexity"] for r in front], s=160,
+                       facecolors="none", edgecolors="black", linewidths=1, label="Pareto front")
+        decode.axhline(recommended["perplexity_bound"], color="black", linestyle="--", linewidth=0.8,
+                       label=f"quality budget: best +{100 * recommended['quality_budget']:g}%")
+        decode.scatter([recommended["decode_ms"]["median"]], [recommended["perplexity"]], s=260, facecolors="none",
+                       edgecolors="red", linewidths=2, label="recommended")
+    labelled = set()
+    several = len({b["dtype"] for b in baselines}) > 1
+    for b in baselines:
+        kind = baseline_kind(b)
+        marker, colour = BASELINE_STYLE[kind]
+        name = f"{b['name']} {b['dtype']}" if several else b["name"]
+        for axis, xi in ((decode, b["decode_ms"]["median"] if b["decode_ms"] else None),
+                         (prefill, prefill_ms_per_token(b))):
+            if xi:
+                axis.scatter([xi], [b["perplexity"]], marker=marker, s=140, color=colour,
+                             label=kind if axis is decode and kind not in labelled else None)
+                axis.annotate(name, (xi, b["perplexity"]), textcoords="offset points", xytext=(5, -10), fontsize=8,
+                              color=colour)
+        labelled.add(kind)
+    for axis, what in ((decode, "decode step, batch 1: median ms (bar: 95% interval; dotted: K within noise)"),
+                       (prefill, "prefill: ms per token (best batch)")):
+        axis.set_xscale("log")  # backends differ by orders of magnitude
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 0.3, not 3×10⁻¹
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.set_xlabel(what, fontsize=8)
+        axis.grid(True, which="both", alpha=0.3)
+    decode.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3f"))  # as the tables
+    decode.set_ylabel("perplexity (validation text)")
+    figure.suptitle("accuracy against cost: lower left is better", fontsize=10)
+    if decode.get_legend_handles_labels()[0]:
+        decode.legend(fontsize=7, loc="best")
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
