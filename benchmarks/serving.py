@@ -1,23 +1,25 @@
 """Serving against the session it serves: what `infmoe-export serve` adds to a decode step.
 
-    .venv/bin/python -m benchmarks.serving [--rounds 3] [--tokens 48] [--threads 2] [--repo REPO]
+    .venv/bin/python -m benchmarks.serving [--rounds 5] [--tokens 48] [--threads 2] [--repo REPO]
                                            [--json benchmarks/results/serving.json]
 
 The GPT-2-Small-size ∞-MoE (shapes.SMALL, random weights) at all-int4, K = 2, the onnxruntime
 target, in a repository of `triton-repo` (serving.repository.build_repository, the preferred
 batch sizes measured as it does; or --repo, one written before) served by the local Triton
-(`serve`'s TritonServer) on loopback. Measured side by side, in the same rounds, in a shuffled
-order each round:
+(`serve`'s TritonServer) on loopback. Measured side by side, each round the stream counts in a
+shuffled order:
 
-- the plain session (onnxruntime + kernel, --threads) decoding on a shared cache at a past of
-  --past tokens: the median ms of a batch-1 step and of a B = 16 step;
 - the load test (serving.load.run_load) at 1, 4 and 16 concurrent streams, one sequence of
   --tokens greedy tokens each after a short prompt (the past runs from about 10 to 10 + --tokens):
   tokens/s over the whole run, steady tokens/s (while every stream decodes: after the last
   stream's first token, the prompts' prefill, and before the first stream's last), and p50 / p95
   ms per token at the client; and from Triton's metrics, per request, the ms it spent in the
   server, queued there and in the front model's execute (the rest of p50 is the client and
-  loopback HTTP).
+  loopback HTTP);
+- just before and just after the load at 1 and at 16 streams, the plain session (onnxruntime +
+  kernel, --threads, the repository's kernel library) decoding as many sequences on a shared
+  cache at a past of --past tokens: the median ms of --steps steps; the round's baseline is the
+  mean of the two, so that a machine whose load drifts moves both sides alike.
 
 Then the goals, each the median over rounds of the round's own figure (a round's figures are
 measured within a minute of each other; rounds on a shared machine may be far apart): at 1
@@ -129,11 +131,12 @@ def goals(rounds: list) -> list:
 
 def summary(rounds: list) -> dict:
     """Medians over rounds: the session's ms per step, the server's figures per stream count."""
-    session = {b: statistics.median(r["session_ms"][b] for r in rounds) for b in rounds[0]["session_ms"]}
+    batches, streams = (sorted(rounds[0][key], key=int) for key in ("session_ms", "server"))
+    session = {b: statistics.median(r["session_ms"][b] for r in rounds) for b in batches}
     server = {s: {key: statistics.median(r["server"][s][key] for r in rounds)
-                  for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms", "p95_ms")} for s in rounds[0]["server"]}
+                  for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms", "p95_ms")} for s in streams}
     in_server = {s: {key: statistics.median(r["server"][s]["in_server"][key] for r in rounds)
-                     for key in rounds[0]["server"][s]["in_server"]} for s in rounds[0]["server"]}
+                     for key in rounds[0]["server"][s]["in_server"]} for s in streams}
     return {"session_ms": session, "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
             "server": server, "in_server": in_server}
 
@@ -141,7 +144,7 @@ def summary(rounds: list) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--rounds", type=arguments.count(1, 100), default=3, help="interleaved rounds")
+    parser.add_argument("--rounds", type=arguments.count(1, 100), default=5, help="interleaved rounds")
     parser.add_argument("--tokens", type=arguments.count(2, 512), default=48, help="greedy tokens per stream")
     parser.add_argument("--past", type=arguments.count(1, 512), default=32, help="the session's cached tokens")
     parser.add_argument("--steps", type=arguments.count(1, 1000), default=8, help="session steps per sample")
@@ -172,34 +175,41 @@ def main(argv=None):
         repo = args.repo or build(Path(scratch), log)
         batching = read_repository(repo).get("batching")
         steps = session_steps(repo, args.past, args.threads)
-        samplers = {f"session B={b}": (lambda b=b: median_ms(steps[b], args.steps)) for b in SESSION_BATCHES}
+
+        def session(batch):
+            settle()
+            return median_ms(steps[batch], args.steps)
 
         def load(streams):
+            settle()
             before = server_counters(server.metrics_url)
             row = run_load(server.http_url, streams, [K], sequences_per_stream=1, tokens=args.tokens,
                            precision=PRECISION, deadline_s=600)
+            if row["failures"]:
+                sys.exit(f"benchmarks.serving: the load test had failures: {row['failures'][0]}")
             return {**row, "in_server": server_share(before, server_counters(server.metrics_url))}
 
-        samplers.update({f"server {s} streams": (lambda s=s: load(s)) for s in STREAMS})
         rounds = []
         with TritonServer(repo) as server:
-            url = server.http_url
-            run_load(url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # load the sessions' pages
-            order = list(samplers)
+            run_load(server.http_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # warm up
+            order = list(STREAMS)
             for number in range(args.rounds):
                 random.Random(number).shuffle(order)
-                found = {}
-                for name in order:
-                    settle()
-                    found[name] = samplers[name]()
-                    log(f"round {number + 1}: {name}: " + (f"{found[name]:.2f} ms" if isinstance(found[name], float)
-                        else f"{found[name]['tokens_per_s']} tokens/s, p50 {found[name]['p50_ms']} ms"))
-                failed = [f for s in STREAMS for f in found[f"server {s} streams"]["failures"]]
-                if failed:
-                    sys.exit(f"benchmarks.serving: the load test had failures: {failed[0]}")
-                rounds.append({"session_ms": {str(b): found[f"session B={b}"] for b in SESSION_BATCHES},
-                               "server": {str(s): found[f"server {s} streams"] for s in STREAMS},
-                               "load_average": list(os.getloadavg())})
+                found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}}
+                for streams in order:
+                    # the session's step of as many sequences just before and just after the load, against drift
+                    batch = streams if streams in SESSION_BATCHES else None
+                    first = session(batch) if batch else None
+                    found["server"][str(streams)] = row = load(streams)
+                    if batch:
+                        bracket = [first, session(batch)]
+                        found["session_bracket_ms"][str(batch)] = bracket
+                        found["session_ms"][str(batch)] = statistics.mean(bracket)
+                    log(f"round {number + 1}: {streams} streams: {row['tokens_per_s']} tokens/s (steady "
+                        f"{row['steady_tokens_per_s']}), p50 {row['p50_ms']} ms"
+                        + (f"; session B={batch}: {bracket[0]:.2f}, {bracket[1]:.2f} ms" if batch else ""))
+                found["load_average"] = list(os.getloadavg())
+                rounds.append(found)
     result = {"model": f"GPT-2-Small-size ∞-MoE, onnxruntime all-int4, K = {K}", "options": {**vars(args),
               "json": str(args.json), "repo": str(args.repo) if args.repo else None},
               "batching": batching, "rounds": rounds, "median": summary(rounds), "goals": goals(rounds)}
