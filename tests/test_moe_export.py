@@ -232,7 +232,10 @@ def test_parity_levels_1_and_2_in_the_kernel_and_on_the_function(exports, tmp_pa
                              "--text", text, "--max-windows", 2, "--backends", "ort,ort-fallback",
                              "--max-ppl-increase", 50, "--min-top1", 0.5)
     assert code == 0, err
-    rows = {r["backend"]: r for r in json.loads((tmp_path / "p" / "report.json").read_text())["parity"]["results"]}
+    report = json.loads((tmp_path / "p" / "report.json").read_text())
+    rows = {r["backend"]: r for r in report["parity"]["results"]}
+    passed = [v["text"] for v in report["verdicts"] if v["status"] == "passed"]
+    assert len(passed) == 2 and all(text.startswith("top-2; max |Δlogit| ") for text in passed)  # no K, no noise
     for backend in ("ort", "ort-fallback"):
         assert rows[backend]["level1"] == "pass" and rows[backend]["level2"] == "pass"
         assert rows[backend]["error_all"]["max"] < 1e-4 and rows[backend]["perplexity_increase"] != 0

@@ -110,11 +110,11 @@ def accuracy_cost(rows: List[dict], settings: dict) -> str:
     return ", ".join(figures) + " at worst"
 
 
-def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
+def verdicts(parity: Optional[dict], bench: Optional[dict], moe: bool = False) -> List[dict]:
     """One line per (backend, precision): passed (with the figures that matter), failed (naming
     the failing figures), over the accuracy budget (level 1 passed; naming the level-2 figures),
     or, merged over the precisions of a backend that share it, skipped (with its reason, once) or
-    the reference."""
+    the reference. moe: the models are a conventional MoE's (top_k and experts, no noise)."""
     rows = (parity or bench or {}).get("results", [])
     if not parity:  # a latency report: which backends were timed
         rows = [{**r, "status": "timed" if r["status"] == "ok" else "skipped"} for r in rows if not r["baseline"]]
@@ -123,15 +123,17 @@ def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
                                  key=lambda key: (BACKENDS.index(key[0]), PRECISIONS.index(key[1]))):
         mine = [r for r in rows if (r["backend"], r["dtype"]) == (backend, dtype)]
         ran = [r for r in mine if r["status"] != "skipped"]
-        where = f"K {', '.join(str(k) for k in sorted({r['k'] for r in ran}))}; " \
-                f"{', '.join(sorted({r['noise'] for r in ran}))} noise"
+        where = f"top-{ran[0]['k']}" if moe and ran else \
+            f"K {', '.join(str(k) for k in sorted({r['k'] for r in ran}))}; " \
+            f"{', '.join(sorted({r['noise'] for r in ran}))} noise"
         failed = [r for r in mine if r["status"] == "fail"]
         over = [r for r in mine if r["status"] == OVER_BUDGET]
         if not ran:
             status, text = "skipped", mine[0]["reason"]
         elif failed:
             status = "failed"
-            text = "; ".join(f"K={r['k']} {r['noise']}: {r['reason']}" for r in failed[:3])
+            text = "; ".join(f"{f'top-{k}' if moe else f'K={k} {noise}'}: {reason}"
+                             for k, noise, reason in ((r["k"], r["noise"], r["reason"]) for r in failed[:3]))
             text += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
         elif ran[0]["status"] == "reference":
             status, text = "reference", "PyTorch, the level-1 reference (int8 / int4: on the dequantized weights)"
@@ -141,7 +143,8 @@ def verdicts(parity: Optional[dict], bench: Optional[dict]) -> List[dict]:
             status = OVER_BUDGET if over else "passed"
             starts = [r["start_agreement"] for r in ran if r["start_agreement"] is not None]
             errors = [(r["error_clean"] or r["error_all"])["max"] for r in ran]
-            text = (f"{where}; starts agree ≥ {pct(min(starts))}, " if starts else f"{where}; ") + \
+            text = (f"{where}; {'experts' if moe else 'starts'} agree ≥ {pct(min(starts))}, " if starts
+                    else f"{where}; ") + \
                 f"max |Δlogit| {sci(max(errors))}; "
             if over:
                 text += f"over the accuracy budget at K {', '.join(str(r['k']) for r in over)}: " + \
@@ -182,7 +185,7 @@ def build_report(kind: str, command: str, checkpoint: str, config: dict, environ
         "passed": not failed,
         "failures": failed,
         "over_budget": [f"{label(r)}: {r['reason']}" for r in over_budget(parity)],
-        "verdicts": verdicts(parity, bench),
+        "verdicts": verdicts(parity, bench, moe=config.get("model_type") == "moe-gpt2"),
         "recommendation": None if best is None else {
             **{key: best["best"][key] for key in ("backend", "dtype", "noise", "k", "perplexity",
                                                    "perplexity_increase", "decode_ms")},
