@@ -18,12 +18,18 @@ shuffled order:
   loopback HTTP);
 - just before and just after the load at 1 and at 16 streams, the plain session (onnxruntime +
   kernel, --threads, the repository's kernel library) decoding as many sequences on a shared
-  cache at a past of --past tokens: the median ms of --steps steps; the round's baseline is the
-  mean of the two, so that a machine whose load drifts moves both sides alike.
+  cache, each its own text, --tokens tokens after a prompt of --past (as the streams do): the
+  median ms of --steps steps; the round's baseline is the mean of the two, so that a machine
+  whose load drifts moves both sides alike.
+
+- one stream paired with the session: each of --tokens tokens served right after one session
+  step of a sequence at about the same past; the medians of the served token, of the step and of
+  their differences. Token by token, a load that drifts falls on both alike.
 
 Then the goals, each the median over rounds of the round's own figure (a round's figures are
 measured within a minute of each other; rounds on a shared machine may be far apart): at 1
-stream, p50 ms/token minus the session's batch-1 step (goal <= 1.5 ms); at 16 streams, steady
+stream, a served token minus the session's batch-1 step, paired token by token (goal <= 1.5 ms;
+the load test's p50 minus the session's step around it is printed too); at 16 streams, steady
 tokens/s over the session's B = 16 decode tokens/s (goal >= 0.8; both decode only). The
 server's onnxruntime runs with the same threads (INFMOE_SERVE_THREADS).
 """
@@ -34,6 +40,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +50,7 @@ from . import arguments, record
 STREAMS = (1, 4, 16)
 SESSION_BATCHES = (1, 16)
 K, PRECISION = 2, "int4"
-GOALS = {"p50 at 1 stream - session batch-1 step, ms": ("at most", 1.5),
+GOALS = {"1 stream, per token: served - session batch-1 step, ms (paired)": ("at most", 1.5),
          "steady tokens/s at 16 streams / session B=16 tokens/s": ("at least", 0.8)}
 
 
@@ -64,9 +71,12 @@ def build(scratch: Path, log) -> Path:
     return repo
 
 
-def session_steps(repo: Path, past: int, threads: int) -> dict:
-    """{B: one decode step of B sequences at `past`} on the served model's own file, with the
-    kernel library the server loads (the repository's copy, not whatever is installed now)."""
+def session_steps(repo: Path, past: int, span: int, threads: int) -> dict:
+    """{B: the next decode step of B sequences} on the served model's own file, with the kernel
+    library the server loads (the repository's copy, not whatever is installed now): each
+    sequence a stretch of text of its own, a prompt of `past` tokens then `span` tokens decoded
+    one at a time, again and again (the cache set back to the prompt), as a generation reads
+    them: new tokens and windows every step, the past from `past` to `past + span`."""
     from infmoe_export.contract import ExportedModel
     from infmoe_export.report.bench import text_tokens
     from infmoe_export.runtimes import ort_kernel
@@ -76,16 +86,22 @@ def session_steps(repo: Path, past: int, threads: int) -> dict:
     route = read_repository(repo)["routes"][f"{K}/{PRECISION}"]
     exported = ExportedModel.read(repo / route["onnx"])
     os.environ[ort_kernel.ENV_VAR] = str(repo / route["triton"] / LIBRARY)
-    session = create_session(exported, providers=["CPUExecutionProvider"], intra_op_threads=threads)
+    # Its threads sleep when a step returns, as the server's do: the paired measurement serves a
+    # token right after each step, which spinning threads would slow.
+    session = create_session(exported, providers=["CPUExecutionProvider"], intra_op_threads=threads,
+                             stop_spinning=True)
+    length = past + span
+    text = text_tokens(length * max(SESSION_BATCHES))
     steps = {}
     for batch in SESSION_BATCHES:
-        ids = np.tile(text_tokens(past + 1)[None], (batch, 1))
+        ids = text[:length * batch].reshape(batch, length)
         cache = SharedCache(session, exported.io, batch)
         cache.step(ids[:, :past])
 
         def step(cache=cache, ids=ids):
-            cache.length = past
-            cache.step(ids[:, past:])
+            if cache.length == length:
+                cache.length = past
+            cache.step(ids[:, cache.length:cache.length + 1])
         steps[batch] = step
     return steps
 
@@ -121,7 +137,7 @@ def server_share(before: dict, after: dict) -> dict:
 
 def goals(rounds: list) -> list:
     """Each goal's median over rounds of the round's own figure."""
-    overhead = [r["server"]["1"]["p50_ms"] - r["session_ms"]["1"] for r in rounds]
+    overhead = [r["paired"]["overhead_ms"] for r in rounds]
     share = [r["server"]["16"]["steady_tokens_per_s"] / (16e3 / r["session_ms"]["16"]) for r in rounds]
     values = dict(zip(GOALS, (statistics.median(overhead), statistics.median(share))))
     return [{"what": what, "value": round(values[what], 3), "goal": f"{word} {bound}",
@@ -137,8 +153,11 @@ def summary(rounds: list) -> dict:
                   for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms", "p95_ms")} for s in streams}
     in_server = {s: {key: statistics.median(r["server"][s]["in_server"][key] for r in rounds)
                      for key in rounds[0]["server"][s]["in_server"]} for s in streams}
+    paired = {key: statistics.median(r["paired"][key] for r in rounds) for key in rounds[0]["paired"]}
     return {"session_ms": session, "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
-            "server": server, "in_server": in_server}
+            "server": server, "in_server": in_server, "paired": paired,
+            "load_test_p50_minus_session_ms": statistics.median(r["server"]["1"]["p50_ms"] - r["session_ms"]["1"]
+                                                                for r in rounds)}
 
 
 def parse_args(argv=None):
@@ -146,7 +165,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--rounds", type=arguments.count(1, 100), default=5, help="interleaved rounds")
     parser.add_argument("--tokens", type=arguments.count(2, 512), default=48, help="greedy tokens per stream")
-    parser.add_argument("--past", type=arguments.count(1, 512), default=32, help="the session's cached tokens")
+    parser.add_argument("--past", type=arguments.count(1, 512), default=10,
+                        help="the session's prompt, as long as the load test's (it then decodes --tokens)")
     parser.add_argument("--steps", type=arguments.count(1, 1000), default=8, help="session steps per sample")
     parser.add_argument("--threads", type=arguments.thread_count, default=2, help="onnxruntime threads, both sides")
     parser.add_argument("--repo", type=Path, default=None,
@@ -159,7 +179,8 @@ def main(argv=None):
     args = parse_args(argv)
     from infmoe_export.report.timing import median_ms, settle
     from infmoe_export.runtimes.ort_kernel import custom_op_library
-    from infmoe_export.serving.load import run_load
+    from infmoe_export.serving.client import FrontClient, new_sequence_id
+    from infmoe_export.serving.load import PROMPTS, run_load
     from infmoe_export.serving.repository import read_repository
     from infmoe_export.serving.server import TritonServer
 
@@ -174,7 +195,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="serving-") as scratch:
         repo = args.repo or build(Path(scratch), log)
         batching = read_repository(repo).get("batching")
-        steps = session_steps(repo, args.past, args.threads)
+        steps = session_steps(repo, args.past, args.tokens, args.threads)
 
         def session(batch):
             settle()
@@ -189,14 +210,44 @@ def main(argv=None):
                 sys.exit(f"benchmarks.serving: the load test had failures: {row['failures'][0]}")
             return {**row, "in_server": server_share(before, server_counters(server.metrics_url))}
 
+        def paired():
+            """One stream whose every token is served right after a session step of one sequence
+            at about the same past: per round, the medians of each and of their differences (the
+            prompt's first token left out)."""
+            settle()
+            client = FrontClient(server.http_url)
+            sequence, ids, served, alone = new_sequence_id(), list(PROMPTS[0]), [], []
+            try:
+                for index in range(args.tokens):
+                    began = time.perf_counter()
+                    steps[1]()
+                    middle = time.perf_counter()
+                    first, last = index == 0, index == args.tokens - 1
+                    token, _ = client.step(sequence, ids, start=first, end=last, k=K if first else None,
+                                           precision=PRECISION if first else None, logits=False)
+                    served.append((time.perf_counter() - middle) * 1e3)
+                    alone.append((middle - began) * 1e3)
+                    ids = [token]
+            finally:
+                client.close()
+            served, alone = served[1:], alone[1:]
+            return {"served_p50_ms": statistics.median(served), "session_ms": statistics.median(alone),
+                    "overhead_ms": statistics.median(a - b for a, b in zip(served, alone))}
+
         rounds = []
         with TritonServer(repo) as server:
             run_load(server.http_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # warm up
-            order = list(STREAMS)
+            order = list(STREAMS) + ["paired"]
             for number in range(args.rounds):
                 random.Random(number).shuffle(order)
                 found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}}
                 for streams in order:
+                    if streams == "paired":
+                        found["paired"] = pair = paired()
+                        log(f"round {number + 1}: 1 stream paired with the session: served "
+                            f"{pair['served_p50_ms']:.2f}, session {pair['session_ms']:.2f}, difference "
+                            f"{pair['overhead_ms']:.2f} ms")
+                        continue
                     # the session's step of as many sequences just before and just after the load, against drift
                     batch = streams if streams in SESSION_BATCHES else None
                     first = session(batch) if batch else None
@@ -231,6 +282,10 @@ def print_result(result: dict) -> None:
     for streams, row in median["in_server"].items():
         print(f"| {streams} | {row['request_ms']:.2f} | {row['queue_ms']:.2f} | {row['compute_infer_ms']:.2f} | "
               f"{row['requests_per_execution']:.2f} |")
+    paired = median["paired"]
+    print(f"1 stream, each token right after a session step: served {paired['served_p50_ms']:.2f} ms, session "
+          f"{paired['session_ms']:.2f} ms, difference {paired['overhead_ms']:.2f} ms (the load test's p50 minus the "
+          f"session's step around it: {median['load_test_p50_minus_session_ms']:.2f} ms)")
     for goal in result["goals"]:
         print(f"{goal['what']}: {goal['value']} (goal {goal['goal']}: {'met' if goal['met'] else 'missed'})")
 

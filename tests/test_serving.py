@@ -126,13 +126,14 @@ def alone(exported, chunks):
     return tokens
 
 
-def pool_of(exported, rows=cfg.MAX_BATCH):
+def pool_of(exported, rows=cfg.MAX_BATCH, preferred=None):
     """The front model's pool for one model of the repository's layout, in this process."""
     io, c = exported.io, exported.io.config
     session = front.local_session(str(exported.path), 0)
     runner = (front.SharedRunner(session, io.past_names) if io.shares_cache
               else front.CopyRunner(front.session_infer(session), io.past_names))
-    runner.pool = front.Pool(runner, io.past_names, rows, c.n_head, c.n_positions, c.head_dim, c.vocab_size)
+    runner.pool = front.Pool(runner, io.past_names, rows, c.n_head, c.n_positions, c.head_dim, c.vocab_size,
+                             preferred)
     return runner.pool
 
 
@@ -145,17 +146,20 @@ def portable(repository, tmp_path_factory):
     return exported
 
 
-@pytest.mark.parametrize("target", ["onnxruntime", "portable"])
-def test_pool_steps_every_sequence_as_it_runs_alone(target, repository, portable, monkeypatch):
+@pytest.mark.parametrize("target, preferred", [("onnxruntime", None), ("portable", None), ("onnxruntime", [1, 2, 3])])
+def test_pool_steps_every_sequence_as_it_runs_alone(target, preferred, repository, portable, monkeypatch):
     """Eleven sequences of odd prompt lengths stepped by the front model's pool in random subsets
     (the others run ahead or stay masked), their clients mostly greedy, sometimes sending another
     token or several: every answer is the token the sequence gives alone. Sequences end at
-    random (rows move), two fill the whole context (the pool compacts, then lets them go)."""
+    random (rows move), two fill the whole context (the pool compacts, then lets them go). With
+    preferred batch sizes 1..3 (a curve that falls from B = 4), a decode step's rows go in calls
+    of those sizes."""
     exported = portable if target == "portable" else ExportedModel.read(repository / "infmoe_k8_fp32/1/model.onnx")
-    pool, rng, n_positions = pool_of(exported), random.Random(7), exported.io.config.n_positions
-    compactions = []
-    compact = pool._compact
+    pool, rng, n_positions = pool_of(exported, preferred=preferred), random.Random(7), exported.io.config.n_positions
+    compactions, calls = [], []
+    compact, run = pool._compact, pool.run
     monkeypatch.setattr(pool, "_compact", lambda longest: compactions.append(longest) or compact(longest))
+    monkeypatch.setattr(pool, "run", lambda first, ids, mask: calls.append(ids.shape) or run(first, ids, mask))
     plans = []
     for index, length in enumerate((1, 3, 9, 17, 40, 2, 5, 11, 23, 31, 7)):
         limit = n_positions if index < 2 else length + rng.randint(5, 60)
@@ -185,6 +189,8 @@ def test_pool_steps_every_sequence_as_it_runs_alone(target, repository, portable
     for plan in plans:
         assert plan["answers"] == alone(exported, plan["chunks"][:len(plan["answers"])])
     assert compactions and pool.length <= n_positions
+    decode_rows = {rows for rows, n_new in calls if n_new == 1}
+    assert decode_rows <= set(preferred) if preferred else max(decode_rows) > 3
 
 
 def test_pool_refuses_more_sequences_than_rows(repository):
@@ -459,7 +465,8 @@ def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
         row = {"tokens_per_s": 1.0, "steady_tokens_per_s": 1.0, "p50_ms": 1.0, "p95_ms": 1.0,
                "in_server": {"request_ms": 1.0, "queue_ms": 0.1, "compute_infer_ms": 0.8, "requests_per_execution": 1}}
         return {"session_ms": {"1": step_1, "16": step_16},
-                "server": {"1": {**row, "p50_ms": p50_1}, "4": row, "16": {**row, "steady_tokens_per_s": steady_16}}}
+                "server": {"1": {**row, "p50_ms": p50_1}, "4": row, "16": {**row, "steady_tokens_per_s": steady_16}},
+                "paired": {"served_p50_ms": p50_1, "session_ms": step_1, "overhead_ms": p50_1 - step_1}}
 
     # overheads 1.0, 2.0, 0.5 ms -> 1.0; shares 0.9, 0.7, 0.85 of 200 tokens/s -> 0.85
     rounds = [round_of(10.0, 11.0, 80.0, 180.0), round_of(12.0, 14.0, 80.0, 140.0), round_of(9.0, 9.5, 80.0, 170.0)]

@@ -35,16 +35,17 @@ def preferred_batch_sizes(ms_per_step: Dict[int, float], max_batch: int) -> List
     return [int(b) for b, rate, best in zip(batches, tokens_per_s, best_before) if rate >= KEEP * best]
 
 
-def measure_curve(exported, batches: Sequence[int] = CURVE_BATCHES, threads=None) -> Dict[int, float]:
+def measure_curve(exported, batches: Sequence[int] = CURVE_BATCHES, threads=None,
+                  kernel: bool = True) -> Dict[int, float]:
     """ms per decode step of an export at each B, every sequence after CURVE_PAST tokens of text:
     on a shared cache, as the front model steps an onnxruntime-target export, else on a past fed
-    in and a present returned."""
+    in and a present returned; with the kernel library or (kernel False) the fallback functions."""
     from ..report.bench import text_tokens
     from ..report.timing import median_ms
     from ..runtimes.ort import SharedCache, create_session
 
     io = exported.io
-    session = create_session(exported, providers=["CPUExecutionProvider"], intra_op_threads=threads)
+    session = create_session(exported, kernel=kernel, providers=["CPUExecutionProvider"], intra_op_threads=threads)
     tokens = text_tokens(CURVE_PAST + 1)
     curve = {}
     for batch in batches:

@@ -114,7 +114,7 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
             if progress:
                 progress(f"measure the batched decode of {choices[0].label} (B = "
                          f"{', '.join(map(str, batching.CURVE_BATCHES))})")
-            curves = [batching.measure_curve(exported) for exported in measured]
+            curves = [batching.measure_curve(exported, kernel=library is not None) for exported in measured]
             curve = {b: sum(c[b] for c in curves) for b in batching.CURVE_BATCHES}
             preferred_batch_sizes = batching.preferred_batch_sizes(curve, cfg.MAX_BATCH)
         front = stage / cfg.FRONT_MODEL

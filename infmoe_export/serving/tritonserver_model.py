@@ -99,12 +99,15 @@ class Pool:
     where a row holds a token of its sequence. Live sequences hold rows 0 .. len(sequences) - 1;
     every row spans the same columns 0 .. length - 1, its own tokens masked in by `valid` (the
     attention mask), so that one call over rows [first, first + n) adds the same columns to each.
-    `run(first, ids, mask)` is the executor's call; it writes the new keys and values in place."""
+    `run(first, ids, mask)` is the executor's call; it writes the new keys and values in place.
+    A decode step's rows go in calls of the preferred batch sizes (all of them in one call where
+    every size is preferred)."""
 
-    def __init__(self, run, names, rows, heads, positions, head_dim, vocab):
+    def __init__(self, run, names, rows, heads, positions, head_dim, vocab, preferred=None):
         self.arrays = [np.zeros((rows, heads, positions, head_dim), np.float32) for _ in names]
         self.valid = np.zeros((rows, positions), np.int64)
         self.rows, self.positions, self.vocab = rows, positions, vocab
+        self.preferred = sorted(set(preferred or range(1, rows + 1)))
         self.length = 0
         self.sequences = []
         self.run = run
@@ -144,7 +147,8 @@ class Pool:
         sequence.wants_logits = step.wants_logits
 
     def _decode(self, steps):
-        """One call over every row: the requests' tokens, rows run ahead, the others masked."""
+        """Every row one column: the requests' tokens, rows run ahead, the others masked; in calls
+        of the preferred sizes, none for a run of rows with nothing to do."""
         self._make_room(1)
         rows, column = len(self.sequences), self.length
         requested = {s.sequence.row: s for s in steps}
@@ -162,7 +166,14 @@ class Pool:
             else:
                 continue
             mask[row, column] = 1
-        logits = self.run(0, ids, mask)[:, 0]
+        calls = self._calls(rows)
+        if len(calls) == 1:
+            logits = self.run(0, ids, mask)[:, 0]
+        else:
+            logits = np.empty((rows, self.vocab), np.float32)
+            for first, last in calls:
+                if mask[first:last, column].any():
+                    logits[first:last] = self.run(first, ids[first:last], mask[first:last])[:, 0]
         self.valid[:rows, column] = mask[:, column]
         self.length = column + 1
         tokens = np.argmax(logits[:, :BYTE_VOCAB], axis=1)
@@ -173,6 +184,16 @@ class Pool:
         for row in ahead:
             sequence = self.sequences[row]
             sequence.ahead = (int(tokens[row]), logits[row].copy() if sequence.wants_logits else None)
+
+    def _calls(self, rows):
+        """Rows 0 .. rows - 1 cut into runs of the largest preferred size that fits, in order."""
+        calls, first = [], 0
+        while first < rows:
+            fitting = [b for b in self.preferred if b <= rows - first]
+            size = fitting[-1] if fitting else rows - first
+            calls.append((first, first + size))
+            first += size
+        return calls
 
     def _extend(self, step):
         """Several new tokens on a live sequence: a call of its row alone."""
@@ -297,8 +318,8 @@ def local_session(path, threads):
 
 class SharedRunner:
     """An onnxruntime-target model in this process: rows of the pool bound as its past and present
-    alike (IOBinding), so the attention appends to them in place. The decode calls' bindings (all
-    rows, from row 0) are kept, one per row count."""
+    alike (IOBinding), so the attention appends to them in place. The decode calls' bindings (one
+    new token) are kept, one per run of rows."""
 
     def __init__(self, session, past_names):
         import onnxruntime
@@ -306,7 +327,7 @@ class SharedRunner:
         self.ort, self.session, self.past_names, self.pool = onnxruntime, session, past_names, None
         outputs = [o.name for o in session.get_outputs()]
         self.others = [n for n in outputs if n != "logits" and not n.startswith("present.")]
-        self.kept = {}  # rows -> (binding, logits [rows, 1, vocab])
+        self.kept = {}  # (first row, rows) -> (binding, logits [rows, 1, vocab])
 
     def _binding(self, first, rows, n_new):
         binding = self.session.io_binding()
@@ -322,10 +343,10 @@ class SharedRunner:
 
     def __call__(self, first, ids, mask):
         rows, n_new = ids.shape
-        if first == 0 and n_new == 1:
-            if rows not in self.kept:
-                self.kept[rows] = self._binding(0, rows, 1)
-            binding, logits = self.kept[rows]
+        if n_new == 1:
+            if (first, rows) not in self.kept:
+                self.kept[first, rows] = self._binding(first, rows, 1)
+            binding, logits = self.kept[first, rows]
         else:
             binding, logits = self._binding(first, rows, n_new)
         binding.bind_cpu_input("input_ids", ids)
@@ -383,6 +404,8 @@ class TritonPythonModel:
         self.n_positions = int(params["n_positions"])
         self.idle_seconds = float(params.get("idle_seconds", "60"))
         rows = max(1, int(config.get("max_batch_size", 1)))
+        oldest = config.get("sequence_batching", {}).get("oldest", {})
+        preferred = [int(b) for b in oldest.get("preferred_batch_size", [])]
         vocab = int(config["output"][[o["name"] for o in config["output"]].index("LOGITS")]["dims"][0])
         repository = os.path.dirname(os.path.abspath(args["model_repository"]))
         past_names = [n for n in json.loads(params["input_names"]) if n.startswith("past_key_values.")]
@@ -398,7 +421,7 @@ class TritonPythonModel:
                 runner = CopyRunner(session_infer(local_session(os.path.join(repository, entry["onnx"]), threads)),
                                     past_names)
             heads, _, head_dim = json.loads(entry["past_shape"])
-            runner.pool = Pool(runner, past_names, rows, heads, self.n_positions, head_dim, vocab)
+            runner.pool = Pool(runner, past_names, rows, heads, self.n_positions, head_dim, vocab, preferred)
             self.pools[route] = runner.pool
 
     # -- one execute: check every request, then step each route's -----------------------------
