@@ -15,7 +15,7 @@ from ..errors import InfMoEError
 from ..evaluate import window_nll
 from ..export import export_onnx
 from ..files import atomic_write, output_file
-from ..model import NOISE_MODES
+from ..model import NOISE_MODES, MoEConfig
 from ..options import SEED, check_forward_memory, choices_from_flags, expert_budgets, export_choice_options, set_threads
 from ..report.baselines import baseline_fact, baseline_paths, measured_model
 from ..report.bench import Baseline, deployed_backend, run_bench
@@ -67,13 +67,15 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, baselines, no_b
         chunks = windows(data, scored.config.n_positions)
         check_forward_memory(scored.config, min(batch_size, len(chunks)), scored.config.n_positions, max(run_ks))
         weights = measured_model(scored, choice)
+        # A conventional MoE baseline's router is deterministic: no noise to sample.
+        scored_noise = "quantile" if name is not None and isinstance(scored.config, MoEConfig) else noise
         for k in run_ks:
-            total, count = window_nll(weights, chunks, k, noise, seed, batch_size)
+            total, count = window_nll(weights, chunks, k, scored_noise, seed, batch_size)
             if count == 0:
                 raise InfMoEError("text too short: need at least 2 bytes to predict one")
             records.append({"baseline": name, "model_type": scored.config.model_type,
-                            "ffn_hidden": scored.config.ffn_hidden, "k": k, "noise": noise, "dtype": choice.dtype,
-                            "seed": seed if noise == "sampled" else None, "nll_per_byte": total / count,
+                            "ffn_hidden": scored.config.ffn_hidden, "k": k, "noise": scored_noise, "dtype": choice.dtype,
+                            "seed": seed if scored_noise == "sampled" else None, "nll_per_byte": total / count,
                             "perplexity": math.exp(total / count), "bits_per_byte": total / count / math.log(2),
                             "predicted_bytes": count, "decode_ms": None, "prefill_tokens_per_s": None})
     if chart:
