@@ -14,13 +14,17 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ..errors import InfMoEError
+from ..report.bench import text_tokens
+from ..runtimes.ort import SharedCache, create_session
 
 CURVE_BATCHES = (1, 2, 4, 8, 16)
 CURVE_PAST = 32     # cached tokens of each sequence at a timed step
-CURVE_STEPS = 3     # timed steps per batch size (the median is kept), after one untimed
+CURVE_STEPS = 3     # timed steps per sample (their median), after one untimed
+CURVE_ROUNDS = 3    # samples per batch size, interleaved (their median)
 # A batch size stays preferred down to this share of the best smaller size's tokens/s: a rising
-# curve measured on a busy machine dips by a few percent without falling.
-KEEP = 0.9
+# curve measured on a busy machine dips by tens of percent without falling; a kernel's slower
+# path costs several times.
+KEEP = 0.8
 
 
 def preferred_batch_sizes(ms_per_step: Dict[int, float], max_batch: int) -> List[int]:
@@ -39,31 +43,33 @@ def measure_curve(exported, batches: Sequence[int] = CURVE_BATCHES, threads=None
                   kernel: bool = True) -> Dict[int, float]:
     """ms per decode step of an export at each B, every sequence after CURVE_PAST tokens of text:
     on a shared cache, as the front model steps an onnxruntime-target export, else on a past fed
-    in and a present returned; with the kernel library or (kernel False) the fallback functions."""
-    from ..report.bench import text_tokens
-    from ..report.timing import median_ms
-    from ..runtimes.ort import SharedCache, create_session
+    in and a present returned; with the kernel library or (kernel False) the fallback functions.
+    Every B is timed in each of CURVE_ROUNDS rounds, in a shuffled order (a load that drifts falls
+    on all alike); the median over rounds is kept."""
+    from ..report.timing import median_ms, sampled_rounds
 
-    io = exported.io
     session = create_session(exported, kernel=kernel, providers=["CPUExecutionProvider"], intra_op_threads=threads)
-    tokens = text_tokens(CURVE_PAST + 1)
-    curve = {}
+    samplers = {}
     for batch in batches:
-        ids = np.tile(tokens[None], (batch, 1))
-        if io.shares_cache:
-            cache = SharedCache(session, io, batch)
-            cache.step(ids[:, :CURVE_PAST])
+        step = decode_step(session, exported.io, batch)
+        samplers[batch] = lambda step=step: median_ms(step, CURVE_STEPS)
+    samples, _ = sampled_rounds(samplers, CURVE_ROUNDS)
+    return {batch: float(np.median(samples[batch])) for batch in batches}
 
-            def step():
-                cache.length = CURVE_PAST
-                cache.step(ids[:, CURVE_PAST:])
-        else:
-            outputs = dict(zip([o.name for o in session.get_outputs()],
-                               session.run(None, io.feed(ids[:, :CURVE_PAST], np.ones((batch, CURVE_PAST), np.int64)))))
-            past = [outputs[n.replace("past_key_values", "present")] for n in io.past_names]
-            feed = io.feed(ids[:, CURVE_PAST:], np.ones((batch, CURVE_PAST + 1), np.int64), past)
 
-            def step():
-                session.run(None, feed)
-        curve[batch] = median_ms(step, CURVE_STEPS)
-    return curve
+def decode_step(session, io, batch: int):
+    """One decode step of `batch` sequences after CURVE_PAST tokens of text, every call at that past."""
+    ids = np.tile(text_tokens(CURVE_PAST + 1)[None], (batch, 1))
+    if io.shares_cache:
+        cache = SharedCache(session, io, batch)
+        cache.step(ids[:, :CURVE_PAST])
+
+        def step():
+            cache.length = CURVE_PAST
+            cache.step(ids[:, CURVE_PAST:])
+        return step
+    names = [o.name for o in session.get_outputs()]
+    outputs = dict(zip(names, session.run(None, io.feed(ids[:, :CURVE_PAST], np.ones((batch, CURVE_PAST), np.int64)))))
+    past = [outputs[n.replace("past_key_values", "present")] for n in io.past_names]
+    feed = io.feed(ids[:, CURVE_PAST:], np.ones((batch, CURVE_PAST + 1), np.int64), past)
+    return lambda: session.run(None, feed)
