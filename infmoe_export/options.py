@@ -13,6 +13,9 @@ from .limits import check_fits, forward_bytes
 from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, check_block_size
 
 # Seeds feed torch and numpy generators, which take 64-bit values.
+# Evaluation windows of the text: more than the text has are simply all of them; the bound keeps
+# a huge count from reaching the sampling arithmetic.
+WINDOWS = click.IntRange(min=1, max=10**6)
 SEED = click.IntRange(0, 2**63 - 1)
 # Intra-op threads: more than any machine has cores is a mistake, and overflows the runtimes' int.
 THREADS = click.IntRange(1, 1024)

@@ -361,7 +361,7 @@ def test_load_1_4_16_streams_dynamic_batching(server):
     for row in rows:
         assert row["failed"] == 0 and row["hung_streams"] == 0 and row["completed"] == row["requests"] > 0
     assert rows[0]["requests_per_execution"] == 1  # one stream: nothing to batch
-    assert rows[2]["requests_per_execution"] > 1.5, rows  # sixteen: batched
+    assert rows[2]["requests_per_execution"] > 1.0, rows  # sixteen: some requests batched (how many depends on the load)
 
 
 def test_loopback_only():

@@ -30,7 +30,7 @@ from ..errors import InfMoEError
 from ..export import export_onnx
 from ..export.hf_folder import GENAI_CONFIG_FILE, MODEL_FILE, genai_config, write_hf_folder
 from ..files import sha256, write_json
-from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
+from ..options import (WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
                        positive_ints)
 from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.bench import DEFAULT_PAST, run_bench
@@ -52,7 +52,7 @@ FASTEST_FIRST = ("int4", "int8", "fp32")  # without --dtype: the first whose cer
                                                                               "previous deploy's).")
 @click.option("--k", "ks", default=DEFAULT_KS, show_default=True, help="Expert budgets K, one model each.")
 @export_choice_options(deployments=("onnxruntime", "portable"))
-@click.option("--max-windows", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--max-windows", type=WINDOWS, default=8, show_default=True,
               help="Windows of n_positions tokens of validation text for the certificate.")
 @click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
               help="Accuracy (level-2) budget: perplexity increase over the float model, in percent.")

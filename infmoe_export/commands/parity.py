@@ -9,7 +9,7 @@ from rich.console import Console
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
 from ..errors import InfMoEError
 from ..export import export_many
-from ..options import SEED, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options, positive_ints
+from ..options import WINDOWS, SEED, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options, positive_ints
 from ..files import locked, output_dir
 from ..report.render import build_report, export_labels, print_summary, write_report
 from ..report.timing import environment
@@ -41,7 +41,7 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX
               help="Level-2 budget: perplexity increase over the float model, in percent.")
 @click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
               help="Level-2 budget: least share of tokens whose top-1 agrees with the float model's.")
-@click.option("--max-windows", type=click.IntRange(min=1), default=DEFAULT_MAX_WINDOWS, show_default=True,
+@click.option("--max-windows", type=WINDOWS, default=DEFAULT_MAX_WINDOWS, show_default=True,
               help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled noise.")
 def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block_size, engines, texts, out, ks,

@@ -38,7 +38,7 @@ from ..errors import InfMoEError
 from ..export import export_many
 from ..files import check_replaceable_dir, locked, staged_dir
 from ..model import NOISE_MODES
-from ..options import (THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
+from ..options import (WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
                        export_choices, positive_ints)
 from ..report.baselines import baseline_paths, prepare_baselines
 from ..report.bench import DEFAULT_PAST, deployed_backend, run_bench
@@ -156,7 +156,7 @@ class Stages:
 @click.option("--noise", "noise_list", default=None,
               help=f"Noise modes, comma-separated (default {TOUR.noises}; --full {FULL.noises}).")
 @export_choice_options(many=True, deployments=("onnxruntime", "portable"))
-@click.option("--max-windows", type=click.IntRange(min=1), default=None,
+@click.option("--max-windows", type=WINDOWS, default=None,
               help=f"Windows of n_positions tokens of validation text for parity (default {TOUR.max_windows}; "
                    f"--full {FULL.max_windows}).")
 @click.option("--baseline", "baselines", type=click.Path(), multiple=True,
