@@ -34,10 +34,10 @@ from infmoe_export.runtimes.ort import SharedCache, create_session  # noqa: E402
 from infmoe_export.serving import batching  # noqa: E402
 from infmoe_export.serving import config as cfg  # noqa: E402
 from infmoe_export.serving import tritonserver_model as front  # noqa: E402
-from infmoe_export.serving.client import FrontClient, ServingError, new_sequence_id  # noqa: E402
+from infmoe_export.serving.client import FrontClient, ServingError, StepClient, new_sequence_id  # noqa: E402
 from infmoe_export.serving.load import check_loopback, run_load, steady_rate  # noqa: E402
 from infmoe_export.serving.repository import build_repository, read_repository  # noqa: E402
-from infmoe_export.serving.server import TritonServer, pytriton_dist  # noqa: E402
+from infmoe_export.serving.server import TritonServer, free_port, pytriton_dist  # noqa: E402
 from tritonclient.grpc import model_config_pb2  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -315,6 +315,29 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, case, match):
     assert len(client.generate(list(b"ok"), 1, 3)) == 3
 
 
+def test_step_client_gives_what_front_client_gives(server):
+    """The load test's lean HTTP client: the same greedy tokens as tritonclient's, the server's
+    refusals as ServingError with status and message, and a connection that goes on after them."""
+    expected = FrontClient(server.http_url).generate(list(b"while x"), 8, 10)
+    client = StepClient(server.http_url)
+    sequence, ids, tokens = new_sequence_id(), list(b"while x"), []
+    for index in range(10):
+        token, logits = client.step(sequence, ids, start=index == 0, end=index == 9, k=8 if index == 0 else None)
+        assert logits is None
+        tokens.append(token)
+        ids = [token]
+    assert tokens == expected
+    with pytest.raises(ServingError, match="no model for k=3") as error:
+        client.step(new_sequence_id(), [1], start=True, k=3)
+    assert error.value.status == "400"
+    with pytest.raises(InfMoEError, match="NEXT_TOKEN only"):
+        client.step(new_sequence_id(), [1], start=True, k=1, logits=True)
+    assert client.step(new_sequence_id(), [1, 2], start=True, end=True, k=1)[0] in range(256)
+    client.close()
+    with pytest.raises(ServingError, match="ConnectionRefusedError"):
+        StepClient(f"127.0.0.1:{free_port()}", timeout=5).step(1, [1], start=True, k=1)
+
+
 def test_unknown_sequence_and_k_change_are_refused(server):
     client = FrontClient(server.http_url)
     seq = new_sequence_id()
@@ -422,8 +445,6 @@ def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
 
 def test_cli_serve_and_triton_repo(repository, tmp_path):
     """`serve` runs until SIGTERM and stops cleanly; `triton-repo` refuses a user's folder."""
-    from infmoe_export.serving.server import free_port
-
     port = free_port()
     process = subprocess.Popen([CLI, "serve", "--repo", str(repository),
                                 "--port", str(port), "--grpc-port", "0", "--metrics-port", "0"],

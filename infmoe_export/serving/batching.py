@@ -20,7 +20,7 @@ from ..runtimes.ort import SharedCache, create_session
 CURVE_BATCHES = (1, 2, 4, 8, 16)
 CURVE_PAST = 32     # cached tokens of each sequence at a timed step
 CURVE_STEPS = 3     # timed steps per sample (their median), after one untimed
-CURVE_ROUNDS = 3    # samples per batch size, interleaved (their median)
+CURVE_ROUNDS = 5    # samples per batch size, interleaved (their median)
 # A batch size stays preferred down to this share of the best smaller size's tokens/s: a rising
 # curve measured on a busy machine dips by tens of percent without falling; a kernel's slower
 # path costs several times.

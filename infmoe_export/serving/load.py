@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..errors import InfMoEError
-from .client import FrontClient, ServingError, new_sequence_id
+from .client import FrontClient, ServingError, StepClient, new_sequence_id
 
 PROMPTS = [b"import os", b"def main(", b"class A:", b"return self.", b"for i in range(", b"# The "]
 PERCENTILES = (50, 95, 99)  # of the ms per token, each request's wall time at the client
@@ -37,8 +37,9 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
              deadline_s: float = 120.0, protocol: str = "http", timeout: float = 30.0,
              precision: Optional[str] = None, during=None) -> Dict:
     """One load level, every sequence at precision (default: the server's). The streams' clients
-    connect first, then all start together. `during(stop_event)` runs in its own thread while
-    the load runs (the fault test kills a process there). Returns the figures and every failure:
+    (StepClient over HTTP, FrontClient over gRPC) are made first, then all start together.
+    `during(stop_event)` runs in its own thread while the load runs (the fault test kills a
+    process there). Returns the figures and every failure:
     tokens_per_s over the whole run (prompts included), steady_tokens_per_s while every stream
     is past its first token and none has finished (None when that never holds), and percentiles
     of the ms per token."""
@@ -49,7 +50,8 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
     sent = [0]
     lock = threading.Lock()
     stop = threading.Event()
-    clients = [FrontClient(url, protocol, timeout) for _ in range(streams)]
+    clients = [StepClient(url, timeout) if protocol == "http" else FrontClient(url, protocol, timeout)
+               for _ in range(streams)]
     together = threading.Barrier(streams + 1)
 
     def stream(index: int):
