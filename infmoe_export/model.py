@@ -25,12 +25,21 @@ ACTIVATIONS = ("gelu_tanh",)
 # Config
 
 
+@dataclass(frozen=True)
 class _DecoderConfig:
-    """What both architectures' configs share: the attention stack's keys, their checks, JSON."""
+    """What both architectures' configs share: the decoder's keys (first in config.json), their
+    checks, JSON. Each architecture adds its FFN's keys, then activation, layer_norm_eps,
+    tokenizer and model_type (keys with defaults come last)."""
+    vocab_size: int
+    n_positions: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    ffn_hidden: int
 
-    def _check(self, int_keys, model_type: str, ffn_checks) -> None:
+    def _check(self, ffn_int_keys, model_type: str, ffn_checks) -> None:
         """The checks in the order a user meets them; ffn_checks(self) checks the FFN's own keys."""
-        for key in int_keys:
+        for key in ("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden", *ffn_int_keys):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InfMoEError(f"config key {key!r} must be a positive integer, got {value!r}")
@@ -81,12 +90,6 @@ class _DecoderConfig:
 
 @dataclass(frozen=True)
 class InfMoEConfig(_DecoderConfig):
-    vocab_size: int
-    n_positions: int
-    d_model: int
-    n_layer: int
-    n_head: int
-    ffn_hidden: int
     slice_width: int
     num_samples: int
     activation: str = "gelu_tanh"
@@ -100,8 +103,7 @@ class InfMoEConfig(_DecoderConfig):
                 raise InfMoEError(f"config key 'slice_width' ({self.slice_width}) must be at most "
                                   f"'ffn_hidden' ({self.ffn_hidden})")
 
-        self._check(("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden", "slice_width",
-                     "num_samples"), "infmoe-gpt2", ffn_checks)
+        self._check(("slice_width", "num_samples"), "infmoe-gpt2", ffn_checks)
 
     def parameter_count(self) -> int:
         """Parameters of the model, from the config alone (SPEC §2's tensor table)."""
@@ -126,12 +128,6 @@ ROUTER_SOFTMAX = ("selected", "all")
 class MoEConfig(_DecoderConfig):
     """The conventional top-k MoE decoder (docs/reference/spec.md, "Conventional MoE"): the same
     attention stack, and per layer E experts, each a GPT-2 FFN of ffn_hidden / E units."""
-    vocab_size: int
-    n_positions: int
-    d_model: int
-    n_layer: int
-    n_head: int
-    ffn_hidden: int
     num_experts: int
     top_k: int
     router_softmax: str
@@ -152,8 +148,7 @@ class MoEConfig(_DecoderConfig):
                 raise InfMoEError(f"config key 'router_softmax' must be one of {ROUTER_SOFTMAX}, "
                                   f"got {self.router_softmax!r}")
 
-        self._check(("vocab_size", "n_positions", "d_model", "n_layer", "n_head", "ffn_hidden", "num_experts",
-                     "top_k"), "moe-gpt2", ffn_checks)
+        self._check(("num_experts", "top_k"), "moe-gpt2", ffn_checks)
 
     def parameter_count(self) -> int:
         D, H, E = self.d_model, self.ffn_hidden, self.num_experts

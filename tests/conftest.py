@@ -14,7 +14,7 @@ from onnx import helper  # noqa: E402
 
 from infmoe_export.checkpoint import save_checkpoint  # noqa: E402
 from infmoe_export.cli import main  # noqa: E402
-from infmoe_export.model import InfMoEConfig, InfMoEGPT  # noqa: E402
+from infmoe_export.model import InfMoEConfig, InfMoEGPT, model_for  # noqa: E402
 
 # Tests use tiny models, and the test machine is shared: one intra-op thread avoids the
 # oversubscription that made a 30-step tiny training run 15x slower with two.
@@ -25,15 +25,29 @@ TINY = dict(vocab_size=259, n_positions=23, d_model=15, n_layer=2, n_head=3, ffn
             slice_width=11, num_samples=3)
 
 
+
+def left_padded(lengths, generator):
+    """Rows of random bytes of these lengths as one left-padded batch: (rows, ids, mask, T). The
+    pad id (7) is a real byte, so a padded position that leaked into a row would change it."""
+    T = max(lengths)
+    rows = [torch.randint(0, 259, (n,), generator=generator) for n in lengths]
+    ids = torch.full((len(rows), T), 7, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, T - len(row):] = row
+        mask[b, T - len(row):] = 1
+    return rows, ids, mask, T
+
 @pytest.fixture
 def tiny_config():
     return InfMoEConfig(**TINY)
 
 
-def random_model(config: InfMoEConfig, seed: int = 0) -> InfMoEGPT:
-    """Every parameter random, biases and LayerNorms included, so no term of the forward can
-    hide behind a zero; router weights large enough that windows spread over all of H."""
-    model = InfMoEGPT(config)
+def random_model(config, seed: int = 0) -> InfMoEGPT:
+    """A model of config's architecture with every parameter random, biases and LayerNorms
+    included, so no term of the forward can hide behind a zero; router weights large enough that
+    windows (or tokens' experts) spread over all of H."""
+    model = model_for(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from infmoe_export.errors import InfMoEError
 from infmoe_export.model import (StraightThroughWindow, continuous_slice_ffn, coverage,
                                  quantile_noise, window_starts)
+from conftest import left_padded
 
 
 def act(a):
@@ -171,14 +172,7 @@ def test_kv_cache_decoding_equals_full_forward(make_model, noise):
 def test_left_padded_rows_equal_rows_alone(make_model):
     model = make_model()
     g = torch.Generator().manual_seed(3)
-    lengths = [13, 6, 9]
-    T = max(lengths)
-    rows = [torch.randint(0, 259, (n,), generator=g) for n in lengths]
-    ids = torch.full((3, T), 7, dtype=torch.long)  # pad id 7: must not matter
-    mask = torch.zeros(3, T, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, T - len(row):] = row
-        mask[b, T - len(row):] = 1
+    rows, ids, mask, T = left_padded([13, 6, 9], g)
     batch = model(ids, attention_mask=mask, k=2, return_starts=True)
     for b, row in enumerate(rows):
         alone = model(row[None], k=2, return_starts=True)

@@ -32,7 +32,7 @@ from infmoe_export.runtimes.torch_runner import TorchRunner
 from infmoe_export.verify.validate import validate_onnx
 
 from conftest import TINY, random_model
-from test_moe_model import moe_config, random_moe
+from test_moe_model import moe_config
 
 # case: (config overrides, dtype, target, with_starts). Together: top_k 1 and 2, both routing
 # weights of MoE, QMoE's with its "all" scaled in the graph, int8 and int4, both targets
@@ -52,7 +52,7 @@ TIED = {1: (0, 2), 2: (1, 2)}  # layer 0's router rows made equal, per top_k
 def tied_model(overrides, seed=0):
     """Layer 0's router rows: the tied two equal, the third their negative, so that for about
     half the tokens exactly one of the tied two is among the top_k (the tie decides which)."""
-    model = random_moe(moe_config(**overrides), seed=seed)
+    model = random_model(moe_config(**overrides), seed=seed)
     low, high = TIED[model.config.top_k]
     router = model.h[0].moe.router.weight
     with torch.no_grad():
@@ -292,7 +292,7 @@ def test_an_odd_model_pads_to_the_block_size_exactly(exports):
     (["--target", "tensorrt"], "a conventional MoE is exported for portable or onnxruntime, not tensorrt"),
 ])
 def test_the_export_refuses_what_a_conventional_moe_has_not(tmp_path, run_cli, args, problem):
-    checkpoint = save_checkpoint(random_moe(moe_config()), tmp_path / "moe")
+    checkpoint = save_checkpoint(random_model(moe_config()), tmp_path / "moe")
     code, _, err = run_cli("onnx", "--checkpoint", checkpoint, "--out", tmp_path / "m.onnx", *args)
     assert code == 1 and err.count("\n") == 1 and problem in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]
@@ -305,5 +305,5 @@ def test_an_export_of_one_architecture_is_refused_with_the_other_checkpoint(expo
     assert code == 1 and err.count("\n") == 1
     assert "needs a conventional top-k MoE checkpoint" in err and "model_type 'infmoe-gpt2'" in err
     with pytest.raises(InfMoEError, match="needs an ∞-MoE checkpoint"):
-        require_arch(load_checkpoint(save_checkpoint(random_moe(moe_config()), tmp_path / "moe")), "infmoe-gpt2",
+        require_arch(load_checkpoint(save_checkpoint(random_model(moe_config()), tmp_path / "moe")), "infmoe-gpt2",
                      "the ∞-MoE export")

@@ -16,6 +16,7 @@ from infmoe_export.errors import InfMoEError
 from infmoe_export.model import (InfMoEConfig, InfMoEGPT, MoEConfig, MoEGPT, TopKMoE, config_from_dict, model_for,
                                  top_k_experts)
 from infmoe_export.train import balance_loss, optimizer_for, train_model
+from conftest import left_padded, random_model
 
 # Odd on purpose: d_model not a power of 2, head_dim 5, E = 3 experts of 37 units, V > 256.
 SHAPE = dict(vocab_size=259, n_positions=23, d_model=15, n_layer=2, n_head=3, ffn_hidden=3 * 37, num_experts=3)
@@ -23,23 +24,6 @@ SHAPE = dict(vocab_size=259, n_positions=23, d_model=15, n_layer=2, n_head=3, ff
 
 def moe_config(top_k=2, router_softmax="selected", **overrides) -> MoEConfig:
     return MoEConfig(**{**SHAPE, "top_k": top_k, "router_softmax": router_softmax, **overrides})
-
-
-def random_moe(config: MoEConfig, seed: int = 0) -> MoEGPT:
-    """Every parameter random, biases and LayerNorms included; the router's weights large
-    enough that tokens spread over all experts."""
-    model = MoEGPT(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
-                p.copy_(1 + 0.1 * noise)
-            elif ".router." in name:
-                p.copy_(noise)
-            else:
-                p.copy_(0.3 * noise)
-    return model.eval()
 
 
 def gelu_tanh_formula(a):
@@ -71,7 +55,7 @@ def naive_layer(layer: TopKMoE, x: torch.Tensor, top_k: int, router_softmax: str
 @pytest.mark.parametrize("router_softmax", ["selected", "all"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_layer_equals_a_per_token_loop(top_k, router_softmax):
-    model = random_moe(moe_config(top_k, router_softmax), seed=top_k)
+    model = random_model(moe_config(top_k, router_softmax), seed=top_k)
     layer = model.h[1].moe
     x = torch.randn(3, 7, 15, generator=torch.Generator().manual_seed(5))
     y, experts = layer(x)
@@ -94,7 +78,7 @@ def test_ties_go_to_the_lowest_expert_index():
         want = [sorted(range(E), key=lambda e, row=row: (-row[e].item(), e))[:3] for row in many]
         assert top_k_experts(many, 3).tolist() == want
     # in the layer: experts 0 and 2 with the same router row always tie; expert 0 wins
-    model = random_moe(moe_config(top_k=1))
+    model = random_model(moe_config(top_k=1))
     layer = model.h[0].moe
     with torch.no_grad():
         layer.router.weight[2] = layer.router.weight[0]
@@ -105,16 +89,9 @@ def test_ties_go_to_the_lowest_expert_index():
 
 
 def test_batch_rows_equal_rows_alone():
-    model = random_moe(moe_config(top_k=2), seed=1)
+    model = random_model(moe_config(top_k=2), seed=1)
     g = torch.Generator().manual_seed(3)
-    lengths = [13, 6, 9]
-    T = max(lengths)
-    rows = [torch.randint(0, 259, (n,), generator=g) for n in lengths]
-    ids = torch.full((3, T), 7, dtype=torch.long)  # pad id 7: must not matter
-    mask = torch.zeros(3, T, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, T - len(row):] = row
-        mask[b, T - len(row):] = 1
+    rows, ids, mask, T = left_padded([13, 6, 9], g)
     batch = model(ids, attention_mask=mask, return_starts=True)
     for b, row in enumerate(rows):
         alone = model(row[None], return_starts=True)
@@ -125,7 +102,7 @@ def test_batch_rows_equal_rows_alone():
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_kv_cache_decoding_equals_full_forward(top_k):
-    model = random_moe(moe_config(top_k, "all" if top_k == 1 else "selected"), seed=2)
+    model = random_model(moe_config(top_k, "all" if top_k == 1 else "selected"), seed=2)
     ids = torch.randint(0, 259, (2, 17), generator=torch.Generator().manual_seed(1))
     full = model(ids, return_starts=True)
     out = model(ids[:, :5], return_starts=True)
@@ -141,7 +118,7 @@ def test_kv_cache_decoding_equals_full_forward(top_k):
 
 
 def test_expert_budget_is_top_k_and_there_is_no_noise():
-    model = random_moe(moe_config(top_k=2))
+    model = random_model(moe_config(top_k=2))
     ids = torch.randint(0, 259, (1, 5))
     assert torch.equal(model(ids, k=2).logits, model(ids).logits)
     with pytest.raises(InfMoEError, match="K = 3 does not apply .* top_k = 2"):
@@ -235,7 +212,7 @@ def test_config_json_picks_the_architecture():
 
 
 def test_checkpoint_round_trip(tmp_path):
-    model = random_moe(moe_config(top_k=2), seed=3)
+    model = random_model(moe_config(top_k=2), seed=3)
     path = save_checkpoint(model, tmp_path / "moe")
     loaded = load_checkpoint(path)
     assert isinstance(loaded, MoEGPT) and loaded.config == model.config and not loaded.training
@@ -248,7 +225,7 @@ def test_checkpoint_round_trip(tmp_path):
 @pytest.mark.parametrize("name, shape", [("h.1.moe.router.weight", [4, 15]), ("h.0.moe.router.weight", [3, 14]),
                                          ("h.0.moe.w_in", [3, 15, 37]), ("h.1.moe.b_out", [15])])
 def test_wrong_tensor_shapes_name_the_tensor(tmp_path, name, shape):
-    path = save_checkpoint(random_moe(moe_config()), tmp_path / "moe")
+    path = save_checkpoint(random_model(moe_config()), tmp_path / "moe")
     tensors = load_file(str(path / WEIGHTS_FILE))
     tensors[name] = torch.randn(shape)
     save_file(tensors, str(path / WEIGHTS_FILE))
@@ -257,7 +234,7 @@ def test_wrong_tensor_shapes_name_the_tensor(tmp_path, name, shape):
 
 
 def test_bad_config_json_is_refused_at_load(tmp_path):
-    path = save_checkpoint(random_moe(moe_config()), tmp_path / "moe")
+    path = save_checkpoint(random_model(moe_config()), tmp_path / "moe")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "top_k": 5}))
     with pytest.raises(InfMoEError, match="'top_k' \\(5\\) must be at most 'num_experts' \\(3\\)"):
