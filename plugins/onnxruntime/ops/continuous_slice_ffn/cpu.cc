@@ -133,13 +133,14 @@ void Decode(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t
     }
     first_chunk[t + 1] = chunks.size();
   }
-  const std::vector<Lanes<W>> xs = DecodeX<Rows, Format>(x, s.tokens, s.d);
+  // With xq, w_in's dots read the int8 activations: no float copy of x.
+  const std::vector<Lanes<W>> xs = xq ? std::vector<Lanes<W>>() : DecodeX<Rows, Format>(x, s.tokens, s.d);
 
   // Every chunk writes its whole partial: no zeroing here (a memset of all of them per call).
   const std::unique_ptr<Lanes<W>[]> partials(new Lanes<W>[chunks.size() * units]);
   parallel_for(chunks.size(), [&](size_t index) {
     const Chunk& c = chunks[index];
-    const Lanes<W>* xt = &xs[c.token * units];
+    const Lanes<W>* xt = xq ? nullptr : &xs[c.token * units];
     Lanes<W>* out = &partials[index * units];
     float hidden[kMaxChunkRows], coverage[kMaxChunkRows];
     const int64_t rows = c.hi - c.lo;
