@@ -176,6 +176,30 @@ class Interrupted(Exception):
 DEADLINE_S = 8.0
 
 
+def torch_modes() -> list:
+    """The torch dispatch and function modes active on this thread: none between commands."""
+    keys = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.FUNCTIONAL,
+            torch._C._TorchDispatchModeKey.PROXY)
+    return ([torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+            + [mode for key in keys if (mode := torch._C._get_dispatch_mode(key)) is not None]
+            + [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())])
+
+
+def end_process_state():
+    """What the end of the process does after a real Ctrl-C: a KeyboardInterrupt raised inside
+    torch.export leaves its modes pushed on this thread, and the next in-process export would abort
+    on them (TorchDispatchModeTLS::set_mode)."""
+    while torch._C._len_torch_dispatch_stack():
+        torch._C._pop_torch_dispatch_stack()
+    for key in (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.FUNCTIONAL,
+                torch._C._TorchDispatchModeKey.PROXY):
+        if torch._C._get_dispatch_mode(key) is not None:
+            torch._C._unset_dispatch_mode(key)
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    torch.set_grad_enabled(True)
+
+
 def run_one(args, interrupt):
     stdout, stderr = io.StringIO(), io.StringIO()
     code = None
@@ -215,6 +239,11 @@ def main_fuzz(root: Path, seed: int):
               file=sys.stderr, flush=True)
         codes[code] = codes.get(code, 0) + 1
         shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in args)
+        if code == 130:
+            end_process_state()
+        elif torch_modes() or not torch.is_grad_enabled():  # a finished command leaves no mode behind
+            problems.append(f"torch modes or grad mode left behind: {shown}: {torch_modes()}")
+            end_process_state()
         # Python prints "Exception ignored in ..." when the timer's KeyboardInterrupt lands in a
         # finalizer (a weakref callback): the interpreter's doing, as with a real Ctrl-C.
         err_checked = "" if "Exception ignored in" in err and err.count("Traceback") == 1 and \

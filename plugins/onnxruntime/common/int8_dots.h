@@ -16,7 +16,8 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-constexpr int64_t kGroup = 32;  // activation columns per scale: one AVX2 register of int8
+constexpr int64_t kGroup = 32;
+  // activation columns per scale: one AVX2 register of int8
 
 // A token's activations for the integer dots: per group, the 32 int8 values (int4 rows: the
 // group's even columns, then its odd ones, as a row's nibbles unpack) and scale / zero groups
@@ -27,10 +28,14 @@ struct QuantizedTokens {
   int64_t groups;
   std::vector<int8_t> q;     // [tokens, groups, 32]
   std::vector<float> scale;  // [tokens, groups]
+  // [tokens, groups]: 8 times the group's sum of qx. int4 rows' nibbles are u = q + 8, so a
+  // group's sum of u . qx is this much more than its sum of q . qx.
+  std::vector<int32_t> offset;
 
   template <typename T>
   QuantizedTokens(const T* x, int64_t tokens, int64_t d, int row_bits)
-      : bits(row_bits), groups((d + kGroup - 1) / kGroup), q(tokens * groups * kGroup, 0), scale(tokens * groups, 0.0f) {
+      : bits(row_bits), groups((d + kGroup - 1) / kGroup), q(tokens * groups * kGroup, 0), scale(tokens * groups, 0.0f),
+        offset(tokens * groups, 0) {
     float v[kGroup];
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -53,20 +58,12 @@ struct QuantizedTokens {
         for (int64_t c = 0; c < kGroup; ++c) {
           const int64_t slot = bits == 4 ? (c % 2) * (kGroup / 2) + c / 2 : c;
           out[slot] = static_cast<int8_t>(std::clamp(std::nearbyint(v[c] / s), -127.0f, 127.0f));
+          offset[t * groups + g] += 8 * out[slot];
         }
       }
     }
   }
   const int8_t* Group(int64_t t, int64_t g) const { return &q[(t * groups + g) * kGroup]; }
-
-#if defined(__AVX2__)
-  // int4 rows' offset per lane of a group: their nibbles are u = q + 8, so a lane's sum of u . qx
-  // is 8 times its qx (pairs of pairs, as vpmaddubsw and vpmaddwd add them) too many.
-  __m256i Offset(int64_t t, int64_t g) const {
-    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Group(t, g)));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), qx), _mm256_set1_epi16(1));
-  }
-#endif
 
   // The tokens as T [tokens, d]: qx times its group's scale (the integer dots' operands), which
   // the float paths multiply instead of x.
@@ -92,13 +89,6 @@ inline void WeightGroup8(const uint8_t* src, __m256i* lo, __m256i* hi) {
   *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
   *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
 }
-// An int4 row's group as its 32 stored nibbles u = q + 8, one a byte: the even columns, then the
-// odd ones (QuantizedTokens' order). vpmaddubsw takes them unsigned: pair sums of at most
-// 2 x 15 x 127, no saturation.
-inline __m256i WeightGroup4(const uint8_t* src) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), mask = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-}
 #endif
 
 // Bytes of one group of a row (32 columns).
@@ -113,25 +103,11 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
                  float* dots, int64_t ldd) {
   const int64_t groups = x.groups;
 #if defined(__AVX2__)
-  __m256 acc[Tt][Jr];
-  for (int t = 0; t < Tt; ++t)
-    for (int j = 0; j < Jr; ++j) acc[t][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (Bits == 4) {
-      __m256i qx[Tt];
-      for (int t = 0; t < Tt; ++t) qx[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
-      for (int j = 0; j < Jr; ++j) {
-        const auto row = w.At(lo + j);
-        const __m256i u = WeightGroup4(row.q + g * kGroupBytes<Bits>);
-        const float ws = ToFloat(row.scale[g / per_block]);
-        for (int t = 0; t < Tt; ++t) {
-          const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qx[t]), _mm256_set1_epi16(1)),
-                                               x.Offset(ids[t], g));
-          const __m256 s = _mm256_set1_ps(ws * x.scale[ids[t] * groups + g]);
-          acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
-        }
-      }
-    } else {
+  if constexpr (Bits == 8) {  // int4 rows take the tiles below
+    __m256 acc[Tt][Jr];
+    for (int t = 0; t < Tt; ++t)
+      for (int j = 0; j < Jr; ++j) acc[t][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
       __m256i xl[Tt], xh[Tt];
       for (int t = 0; t < Tt; ++t) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
@@ -150,14 +126,15 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
         }
       }
     }
+    for (int t = 0; t < Tt; ++t)
+      for (int j = 0; j < Jr; ++j) {
+        Lanes<8> v;
+        std::memcpy(&v, &acc[t][j], sizeof v);
+        dots[t * ldd + j] = SumLanes<8>(v);
+      }
+    return;
   }
-  for (int t = 0; t < Tt; ++t)
-    for (int j = 0; j < Jr; ++j) {
-      Lanes<8> v;
-      std::memcpy(&v, &acc[t][j], sizeof v);
-      dots[t * ldd + j] = SumLanes<8>(v);
-    }
-#else
+#endif
   for (int t = 0; t < Tt; ++t) {
     for (int j = 0; j < Jr; ++j) {
       const auto row = w.At(lo + j);
@@ -176,36 +153,140 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
       dots[t * ldd + j] = acc;
     }
   }
-#endif
 }
 
-// The register blocks, tokens x rows, within AVX2's 16 registers: int4 4 x 2 accumulators beside
-// the tokens' bytes; int8 2 x 4 beside their 16-bit activations (two registers a token).
-template <int Bits>
-constexpr int kIntTokens = Bits == 4 ? 4 : 2;
-template <int Bits>
-constexpr int kIntRows = Bits == 4 ? 2 : 4;
+#if defined(__AVX2__)
+// int4 rows on AVX2 eight at a time, row l in lane l (as llama.cpp's repacked q4_0 GEMM lays them
+// out, here transposed on the fly from SPEC §6's storage): per group of 32 columns, eight
+// vpmaddubsw each take 4 columns of all 8 rows against 4 of a token's int8 activations
+// (broadcast), their 16-bit pair sums added in 16 bits (at most 8 x 2 x 15 x 127, exact), one
+// vpmaddwd, the offset of the nibbles subtracted, and one FMA by the 8 rows' scales times the
+// token's. No horizontal sums, and a tile's transposed groups serve every token.
+constexpr int kInt4TileRows = 8;
+constexpr int kInt4TileTokens = 4;  // p and acc per token, beside the weights: within 16 registers
+
+// Group g (bytes 16 g .. 16 g + 15) of the tile's 8 rows as vpmaddubsw's unsigned operands:
+// steps[i] (i < 4), lane l, holds the low nibbles of row l's bytes 4 i .. 4 i + 3 (columns 8 i,
+// 8 i + 2, 8 i + 4, 8 i + 6: QuantizedTokens' int4 slots 4 i .. 4 i + 3), steps[4 + i] their high
+// nibbles (the odd columns after them: slots 16 + 4 i ..).
+inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps) {
+  const int64_t at = g * kGroupBytes<4>;
+  const auto rows = [&](int l) {  // rows l and l + 4, one a half
+    return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row[l + 4] + at),
+                               reinterpret_cast<const __m128i*>(row[l] + at));
+  };
+  const __m256i a0 = rows(0), a1 = rows(1), a2 = rows(2), a3 = rows(3);
+  const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
+  const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
+  const __m256i dword[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + 32 * i), _mm256_and_si256(dword[i], mask));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + 32 * (4 + i)),
+                        _mm256_and_si256(_mm256_srli_epi16(dword[i], 4), mask));
+  }
+}
+
+// out[8 t + l] = token ids[t] . tile row l, t < Tt; steps: the tile's groups (TileGroup, 256
+// bytes each), scales: its rows' block scales [block][8].
+template <int Tt>
+void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps, const float* scales,
+              int64_t per_block, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[Tt];
+  for (int t = 0; t < Tt; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m256i p[Tt];
+    const int8_t* qx[Tt];
+    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), qx[t] = x.Group(ids[t], g);
+    for (int i = 0; i < 8; ++i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 256 * g + 32 * i));
+      for (int t = 0; t < Tt; ++t) {
+        int32_t four;
+        std::memcpy(&four, qx[t] + 4 * i, sizeof four);
+        p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+      }
+    }
+    const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kInt4TileRows);
+    for (int t = 0; t < Tt; ++t) {
+      const int64_t at = ids[t] * x.groups + g;
+      const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(p[t], ones), _mm256_set1_epi32(x.offset[at]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
+    }
+  }
+  for (int t = 0; t < Tt; ++t) _mm256_storeu_ps(out + kInt4TileRows * t, acc[t]);
+}
+
+template <size_t... I>
+constexpr auto TileDotTable(std::index_sequence<I...>) {
+  using Fn = void (*)(const QuantizedTokens&, const int64_t*, const uint8_t*, const float*, int64_t, float*);
+  return std::array<Fn, sizeof...(I)>{&TileDots<static_cast<int>(I) + 1>...};
+}
+
+// IntDots of int4 rows: tile by tile, its groups transposed once for all the tokens.
+template <typename T>
+void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<4, T>& w,
+                   int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
+  static constexpr auto kDots = TileDotTable(std::make_index_sequence<kInt4TileTokens>());
+  thread_local std::vector<uint8_t> steps;
+  thread_local std::vector<float> scales;
+  steps.resize(x.groups * 256);
+  scales.resize(w.blocks * kInt4TileRows);
+  for (int64_t j = 0; j < rows; j += kInt4TileRows) {
+    const int64_t n = std::min<int64_t>(kInt4TileRows, rows - j);
+    const uint8_t* row[kInt4TileRows];
+    for (int l = 0; l < kInt4TileRows; ++l) {  // a partial tile repeats its last row in the spare lanes
+      const auto r = w.At(lo + j + std::min<int64_t>(l, n - 1));
+      row[l] = r.q;
+      for (int64_t b = 0; b < w.blocks; ++b) scales[b * kInt4TileRows + l] = ToFloat(r.scale[b]);
+    }
+    for (int64_t g = 0; g < x.groups; ++g) TileGroup(row, g, steps.data() + 256 * g);
+    for (int64_t t = 0; t < tokens; t += kInt4TileTokens) {
+      const int64_t tt = std::min<int64_t>(kInt4TileTokens, tokens - t);
+      float lanes[kInt4TileTokens * kInt4TileRows];
+      kDots[tt - 1](x, ids + t, steps.data(), scales.data(), per_block, lanes);
+      for (int64_t k = 0; k < tt; ++k)
+        std::memcpy(dots + (t + k) * ldd + j, lanes + kInt4TileRows * k, n * sizeof(float));
+    }
+  }
+}
+#endif
+
+// The register blocks of IntDotBlock, tokens x rows: on AVX2 (int8 rows) 2 x 4 accumulators
+// beside the tokens' 16-bit activations (two registers a token), within 16 registers.
+constexpr int kIntTokens = 2;
+constexpr int kIntRows = 4;
 
 template <int Bits, typename T, size_t... I>
 constexpr auto IntDotTable(std::index_sequence<I...>) {
   using Fn = void (*)(const QuantizedTokens&, const int64_t*, const QuantRows<Bits, T>&, int64_t, int64_t, float*, int64_t);
-  return std::array<Fn, sizeof...(I)>{&IntDotBlock<static_cast<int>(I / kIntRows<Bits>) + 1,
-                                                   static_cast<int>(I % kIntRows<Bits>) + 1, Bits, T>...};
+  return std::array<Fn, sizeof...(I)>{&IntDotBlock<static_cast<int>(I / kIntRows) + 1,
+                                                   static_cast<int>(I % kIntRows) + 1, Bits, T>...};
+}
+
+// IntDots in register blocks of IntDotBlock.
+template <int Bits, typename T>
+void BlockedIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
+                    int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
+  static constexpr auto kBlocks = IntDotTable<Bits, T>(std::make_index_sequence<kIntTokens * kIntRows>());
+  for (int64_t t = 0; t < tokens; t += kIntTokens) {
+    const int64_t tt = std::min<int64_t>(kIntTokens, tokens - t);
+    for (int64_t j = 0; j < rows; j += kIntRows) {
+      const int64_t jr = std::min<int64_t>(kIntRows, rows - j);
+      kBlocks[(tt - 1) * kIntRows + (jr - 1)](x, ids + t, w, per_block, lo + j, dots + t * ldd + j, ldd);
+    }
+  }
 }
 
 // dots[t ldd + j] = token ids[t] . row lo + j for t < tokens, j < rows; block_size a multiple of 32.
 template <int Bits, typename T>
 void IntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
              int64_t block_size, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  constexpr int kTokens = kIntTokens<Bits>, kRows = kIntRows<Bits>;
-  static constexpr auto kBlocks = IntDotTable<Bits, T>(std::make_index_sequence<kTokens * kRows>());
-  for (int64_t t = 0; t < tokens; t += kTokens) {
-    const int64_t tt = std::min<int64_t>(kTokens, tokens - t);
-    for (int64_t j = 0; j < rows; j += kRows) {
-      const int64_t jr = std::min<int64_t>(kRows, rows - j);
-      kBlocks[(tt - 1) * kRows + (jr - 1)](x, ids + t, w, block_size / kGroup, lo + j, dots + t * ldd + j, ldd);
-    }
-  }
+#if defined(__AVX2__)
+  if constexpr (Bits == 4) return TiledInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
+#endif
+  BlockedIntDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
 }
 
 }  // namespace
