@@ -218,6 +218,30 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
   for (int t = 0; t < Tt; ++t) _mm256_storeu_ps(out + kInt4TileRows * t, acc[t]);
 }
 
+// scales[b 8 + l] = row l's scale of block b, b < blocks: float scales 8 blocks at a time through
+// an 8 x 8 transpose in registers, the rest one by one.
+template <typename T>
+void TileScales(const T* const* scale, int64_t blocks, float* scales) {
+  int64_t b = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; b + 8 <= blocks; b += 8) {
+      __m256 r[8], t[8];
+      for (int l = 0; l < 8; ++l) r[l] = _mm256_loadu_ps(scale[l] + b);
+      for (int l = 0; l < 8; l += 2) t[l] = _mm256_unpacklo_ps(r[l], r[l + 1]), t[l + 1] = _mm256_unpackhi_ps(r[l], r[l + 1]);
+      for (int l = 0; l < 8; l += 4) {
+        r[l] = _mm256_shuffle_ps(t[l], t[l + 2], 0x44), r[l + 1] = _mm256_shuffle_ps(t[l], t[l + 2], 0xEE);
+        r[l + 2] = _mm256_shuffle_ps(t[l + 1], t[l + 3], 0x44), r[l + 3] = _mm256_shuffle_ps(t[l + 1], t[l + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {  // r[i] (rows 0-3) and r[4 + i] (rows 4-7): blocks b + i, b + 4 + i
+        _mm256_storeu_ps(scales + (b + i) * 8, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(scales + (b + 4 + i) * 8, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+      }
+    }
+  }
+  for (; b < blocks; ++b)
+    for (int l = 0; l < 8; ++l) scales[b * 8 + l] = ToFloat(scale[l][b]);
+}
+
 template <size_t... I>
 constexpr auto TileDotTable(std::index_sequence<I...>) {
   using Fn = void (*)(const QuantizedTokens&, const int64_t*, const uint8_t*, const float*, int64_t, float*);
@@ -236,11 +260,12 @@ void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens,
   for (int64_t j = 0; j < rows; j += kInt4TileRows) {
     const int64_t n = std::min<int64_t>(kInt4TileRows, rows - j);
     const uint8_t* row[kInt4TileRows];
+    const T* scale[kInt4TileRows];
     for (int l = 0; l < kInt4TileRows; ++l) {  // a partial tile repeats its last row in the spare lanes
       const auto r = w.At(lo + j + std::min<int64_t>(l, n - 1));
-      row[l] = r.q;
-      for (int64_t b = 0; b < w.blocks; ++b) scales[b * kInt4TileRows + l] = ToFloat(r.scale[b]);
+      row[l] = r.q, scale[l] = r.scale;
     }
+    TileScales(scale, w.blocks, scales.data());
     for (int64_t g = 0; g < x.groups; ++g) TileGroup(row, g, steps.data() + 256 * g);
     for (int64_t t = 0; t < tokens; t += kInt4TileTokens) {
       const int64_t tt = std::min<int64_t>(kInt4TileTokens, tokens - t);

@@ -71,19 +71,25 @@ void BatchedMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
   });
 }
 
-// int8 activations on the integer dots: per work item of kBlockRows rows, every token's dots.
+// int8 activations on the integer dots: per work item a range of rows, every token's dots. As
+// many rows as decode's chunks (few tokens: a work item's overhead is paid per chunk, not per 32
+// rows), fewer as the tokens grow (the item's dots stay within kIntDotsBytes), whole tiles of 8.
+constexpr int64_t kIntDotsBytes = 256 << 10;
 template <int Bits, typename T>
 void IntMatMul(const MatMulSizes& s, const QuantizedTokens& xs, const QuantRows<Bits, T>& w, int64_t block_size, T* y,
                const ParallelFor& parallel_for) {
   std::vector<int64_t> ids(s.tokens);
   std::iota(ids.begin(), ids.end(), 0);
-  parallel_for(static_cast<size_t>((s.n + kBlockRows - 1) / kBlockRows), [&](size_t item) {
-    const int64_t lo = static_cast<int64_t>(item) * kBlockRows, hi = std::min(lo + kBlockRows, s.n);
+  const int64_t most = std::min({kChunkBytes / w.RowBytes(), (s.n + kMatMulItems - 1) / kMatMulItems,
+                                 kIntDotsBytes / (s.tokens * static_cast<int64_t>(sizeof(float)))});
+  const int64_t rows = std::clamp<int64_t>(most / 8 * 8, 8, kMaxChunkRows);
+  parallel_for(static_cast<size_t>((s.n + rows - 1) / rows), [&](size_t item) {
+    const int64_t lo = static_cast<int64_t>(item) * rows, hi = std::min(lo + rows, s.n);
     thread_local std::vector<float> dots;
-    dots.resize(s.tokens * kBlockRows);
-    IntDots(xs, ids.data(), s.tokens, w, block_size, lo, hi - lo, dots.data(), kBlockRows);
+    dots.resize(s.tokens * rows);
+    IntDots(xs, ids.data(), s.tokens, w, block_size, lo, hi - lo, dots.data(), rows);
     for (int64_t t = 0; t < s.tokens; ++t)
-      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[t * kBlockRows + j - lo], y + t * s.n + j);
+      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[t * rows + j - lo], y + t * s.n + j);
   });
 }
 
