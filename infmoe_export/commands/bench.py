@@ -27,7 +27,7 @@ from ..runtimes import registry
 @click.option("--model", "model_paths", type=click.Path(), multiple=True,
               help="ONNX model(s) or a directory of per-K models (default: export the checkpoint per K).")
 @click.option("--engines", type=click.Path(), default=None, help="Directory of TensorRT engines (`infmoe-export trt`).")
-@click.option("--backends", "backend_list", default="torch,ort,ort-fallback,trt", show_default=True)
+@click.option("--backends", "backend_list", default="torch,ort,ort-a8,ort-fallback,trt", show_default=True)
 @click.option("--k", "ks", default=None,
               help="Expert budgets K, comma-separated (default: 1,2,4,8; a conventional MoE: its top_k).")
 @click.option("--noise", type=click.Choice(("quantile", "sampled")), default="quantile", show_default=True,

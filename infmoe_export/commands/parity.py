@@ -31,7 +31,7 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX
 @click.option("--k", "ks", default=None,
               help="Only these expert budgets, comma-separated (default: every model given, or the checkpoint's "
                    "num_samples; a conventional MoE's top_k).")
-@click.option("--backends", "backend_list", default="ort,ort-fallback,trt", show_default=True,
+@click.option("--backends", "backend_list", default="ort,ort-a8,ort-fallback,trt", show_default=True,
               help="Backends to compare against the PyTorch reference.")
 @click.option("--atol", type=FiniteFloat(min=0), default=DEFAULT_ATOL, show_default=True)
 @click.option("--rtol", type=FiniteFloat(min=0), default=DEFAULT_RTOL, show_default=True)

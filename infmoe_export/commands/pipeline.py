@@ -226,7 +226,7 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
     models = []
     engines = None
     kernel = ort_kernel.custom_op_library() is not None
-    backends = ["torch", "ort", "ort-fallback", "trt"] if matrix.full else [deployed_backend(kernel)]
+    backends = ["torch", "ort", "ort-a8", "ort-fallback", "trt"] if matrix.full else [deployed_backend(kernel)]
     n = torch_model.config.n_positions
     past = min(DEFAULT_PAST, n - 1)  # a cache of 128 and a prefill of 128, or as long as the model allows
     dtypes = [c.dtype for c in choices]

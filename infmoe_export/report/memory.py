@@ -25,6 +25,7 @@ DECODE_STEPS = 8
 CHILD_TIMEOUT_S = 600
 NO_ALLOCATOR = {"torch": "PyTorch exposes its allocator's peak on CUDA only",
                 "ort": "onnxruntime's Python API does not expose its arena's statistics",
+                "ort-a8": "onnxruntime's Python API does not expose its arena's statistics",
                 "ort-fallback": "onnxruntime's Python API does not expose its arena's statistics",
                 "trt": "TensorRT's allocator peak is not exposed"}
 

@@ -89,7 +89,7 @@ def level2_as_advice(parity: dict) -> dict:
     budget allows) is over the accuracy budget, not a failure. The run passes, the headline names
     the precision and the recommendation leaves it out. `parity` keeps level 2 a failure: budgets
     given there are the user's."""
-    return {**parity, "results": [{**r, "status": OVER_BUDGET} if r["status"] == "fail" and r["level1"] == "pass"
+    return {**parity, "results": [{**r, "status": OVER_BUDGET} if r["status"] == "fail" and r["level1"] in ("pass", "n/a")
                                   else r for r in parity["results"]]}
 
 

@@ -99,15 +99,16 @@ class OrtRunner(OnnxrtRunner):
 
     def __init__(self, decoder_io: DecoderIO, model: Union[ExportedModel, str, os.PathLike], *, kernel: bool = True,
                  providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
-                 stop_spinning: bool = False, name: Optional[str] = None):
+                 stop_spinning: bool = False, name: Optional[str] = None, activations: str = "float"):
         if not isinstance(model, ExportedModel):
             model = ExportedModel.read(model)
         if model.io != decoder_io:
             raise InfMoEError(f"{model.path} was exported with other inputs and outputs than the ones given")
         super().__init__(lambda: create_session(model, kernel, providers, intra_op_threads,
-                                                stop_spinning=stop_spinning), name=name)
+                                                stop_spinning=stop_spinning, activations=activations), name=name)
         self.path = model.path
         self.io = decoder_io
+        self.activations = activations
 
     def shared_cache(self, batch: int = 1) -> Optional["SharedCache"]:
         """A SharedCache for a generation on the active session, or None when the model cannot

@@ -5,6 +5,8 @@ so generation, parity and bench drive any of them.
     torch         the PyTorch reference (torch_runner.TorchRunner); for an int8 / int4 model the
                   dequantized weights, the level-1 reference (SPEC §6)
     ort           onnxruntime with the compiled ContinuousSliceFFN kernel (ort.OrtRunner)
+    ort-a8        the same, its quantized ops on int8 activations (integer dot products; an
+                  int8 / int4 model only; judged at level 2, docs/guide/quantization.md)
     ort-fallback  onnxruntime running the model's ONNX fallback function (standard ops only)
     trt           a TensorRT engine per K with the Triton-based plugin (tensorrt.TrtRunner)
 """
@@ -15,9 +17,11 @@ from typing import List, Optional, Sequence
 from ..contract import ExportedModel
 from ..errors import InfMoEError
 
-BACKENDS = ("torch", "ort", "ort-fallback", "trt")
+BACKENDS = ("torch", "ort", "ort-a8", "ort-fallback", "trt")
+# The backends whose logits SPEC §6 level 1 does not bind: they are judged at level 2 only.
+LEVEL2_ONLY = ("ort-a8",)
 
-__all__ = ["BACKENDS", "check_models", "find_models", "make_runner", "parse_backends", "unavailable"]
+__all__ = ["BACKENDS", "LEVEL2_ONLY", "check_models", "find_models", "make_runner", "parse_backends", "unavailable"]
 
 
 def parse_backends(text: str, allow_torch: bool = True) -> List[str]:
@@ -78,11 +82,13 @@ def check_models(models: Sequence[ExportedModel], config) -> None:
 
 def unavailable(backend: str, model: ExportedModel, engines: Optional[Path] = None) -> Optional[str]:
     """Why a backend cannot run this model here, or None."""
-    if backend == "ort":
+    if backend in ("ort", "ort-a8"):
         from .ort_kernel import custom_op_library
 
         if custom_op_library() is None:
             return "the compiled kernel is not installed (see docs/guide/onnxruntime.md)"
+    if backend == "ort-a8" and not model.io.quantized:
+        return f"int8 activations apply to int8 / int4 weights ({model.io.dtype} model: the same as ort)"
     if backend == "trt":
         from .tensorrt import tensorrt_problem
 
@@ -106,11 +112,12 @@ def make_runner(backend: str, model: ExportedModel, torch_model, engines: Option
         from .torch_runner import TorchRunner
 
         return TorchRunner(model.io, torch_model, name=backend)
-    if backend in ("ort", "ort-fallback"):
+    if backend in ("ort", "ort-a8", "ort-fallback"):
         from .ort import OrtRunner
 
-        return OrtRunner(model.io, model, kernel=backend == "ort", intra_op_threads=threads,
-                         stop_spinning=taking_turns, name=backend)
+        return OrtRunner(model.io, model, kernel=backend != "ort-fallback", intra_op_threads=threads,
+                         stop_spinning=taking_turns, name=backend,
+                         activations="int8" if backend == "ort-a8" else "float")
     if backend == "trt":
         from .tensorrt import TrtRunner
 
