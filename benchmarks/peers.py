@@ -22,8 +22,8 @@ the median of a few back-to-back steps):
 - batched decode: one step for B sequences (each its own copy of a past of 128), tokens/s at
   B = 1, 2, 4, 8, 16, 32; ours at K = 2 only (our KV cache holds n_positions per sequence: at
   B = 32 it is 2.4 GB per model), and not the MatMulNBits model;
-- prefill of 128 and 512 tokens, tokens/s (ours returns the logits of every token, llama.cpp
-  those of the last);
+- prefill of 128 and 512 tokens, tokens/s (each returns the logits of the last token, what a
+  generation's next token needs: ours through the onnxruntime target's logits_to_keep);
 - peak RSS of a fresh process that loads the model, prefills 128 tokens and decodes a few steps
   (infmoe_export.report.memory for onnxruntime, benchmarks.llama for llama.cpp), and the model's
   share of it (peak minus the process before loading).

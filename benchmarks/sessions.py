@@ -53,13 +53,14 @@ class Decoder:
         return lambda: self.session.run(None, feed)
 
     def prefill_at(self, tokens: int):
-        """One prefill of `tokens` tokens of real text from position 0 of a shared cache."""
+        """One prefill of `tokens` tokens of real text from position 0 of a shared cache, the
+        logits of the last position only (what a generation's next token needs)."""
         ids = text_tokens(tokens)[None]
         cache = SharedCache(self.session, self.io)
 
         def step():
             cache.length = 0
-            return cache.step(ids)
+            return cache.step(ids, last_only=True)
         return step
 
     def sample(self, past: int, steps: int) -> float:

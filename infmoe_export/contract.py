@@ -45,6 +45,10 @@ MOE_DTYPES, MOE_TARGETS = ("fp32", "int8", "int4"), ("portable", "onnxruntime")
 MAX_K = 65536
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "past_sequence + sequence"
+# The onnxruntime target's optional input (an overridable initializer, default 0: every
+# position): n > 0 gives the logits of the last n positions only, as transformers'
+# logits_to_keep; a prefill for generation needs one. Its logits are [batch, LOGITS_SEQUENCE, vocab].
+LOGITS_TO_KEEP, LOGITS_SEQUENCE = "logits_to_keep", "logits_sequence"
 # The precision of the expert part (the FFN weights and the op); see exporter.py. int8 and int4
 # store the expert weights for `infmoe::QContinuousSliceFFN` (SPEC §6, docs/guide/quantization.md).
 DTYPES = PRECISIONS
@@ -169,6 +173,11 @@ class DecoderIO:
         target's GroupQueryAttention); otherwise present is a new past + sequence tensor."""
         return self.past and self.target == "onnxruntime"
 
+    @property
+    def keeps_logits(self) -> bool:
+        """Whether the graph takes LOGITS_TO_KEEP (the onnxruntime target)."""
+        return self.target == "onnxruntime"
+
     # -- names and shapes --------------------------------------------------------------------
 
     @property
@@ -196,7 +205,8 @@ class DecoderIO:
         c = self.config
         kv = [BATCH, c.n_head, PAST, c.head_dim]
         shapes = {"input_ids": [BATCH, SEQUENCE], "attention_mask": [BATCH, TOTAL if self.past else SEQUENCE],
-                  "expert_noise": [BATCH, SEQUENCE, self.k], "logits": [BATCH, SEQUENCE, c.vocab_size]}
+                  "expert_noise": [BATCH, SEQUENCE, self.k],
+                  "logits": [BATCH, LOGITS_SEQUENCE if self.keeps_logits else SEQUENCE, c.vocab_size]}
         for name in self.past_names:
             shapes[name] = kv
             shapes[name.replace("past_key_values", "present")] = [BATCH, c.n_head, TOTAL, c.head_dim]

@@ -82,7 +82,8 @@ def test_each_target_matches_the_reference(model, exports, target):
 PER_LAYER = {("", "MatMul"): 2, ("infmoe", "DecoderAttention"): 1,
              ("com.microsoft", "SkipLayerNormalization"): 2, ("infmoe", "WindowStarts"): 1,
              ("infmoe", "ContinuousSliceFFN"): 1}
-ONCE = {("infmoe", "StepInputs"): 1, ("", "Gather"): 2, ("com.microsoft", "SkipLayerNormalization"): 1, ("", "MatMul"): 1}
+ONCE = {("infmoe", "StepInputs"): 1, ("", "Gather"): 2, ("com.microsoft", "SkipLayerNormalization"): 1, ("", "MatMul"): 1,
+        ("", "Max"): 1, ("", "Neg"): 1, ("", "Reshape"): 1, ("", "Slice"): 1}  # the last four: logits_to_keep
 
 
 def _ort_target_ops(n_layer):
@@ -97,10 +98,11 @@ def _without_constant_transpose(ops):
 
 
 def test_the_onnxruntime_target_keeps_its_node_count(exports, tmp_path):
-    """7 nodes a layer (the qkv bias inside the attention) and 5 once (StepInputs, the
-    embeddings, their SkipLayerNormalization, the LM head), as exported and after onnxruntime's
-    optimizations (with the kernel, which keeps the expert op one node)."""
-    assert sum(_ort_target_ops(CONFIG.n_layer).values()) == 7 * CONFIG.n_layer + 5
+    """7 nodes a layer (the qkv bias inside the attention) and 9 once (StepInputs, the
+    embeddings, their SkipLayerNormalization, the LM head, and the four that slice its input for
+    logits_to_keep), as exported and after onnxruntime's optimizations (with the kernel, which
+    keeps the expert op one node)."""
+    assert sum(_ort_target_ops(CONFIG.n_layer).values()) == 7 * CONFIG.n_layer + 9
     assert _without_constant_transpose(_ops(exports["onnxruntime"].path)) == _ort_target_ops(CONFIG.n_layer)
     if custom_op_library() is None:
         pytest.skip("the compiled kernel is not installed")
@@ -124,6 +126,46 @@ def test_a_cuda_session_leaves_the_cpu_only_ops_to_their_functions(exports, tmp_
     assert ops[("com.microsoft", "GroupQueryAttention")] == CONFIG.n_layer and ops[("", "Softplus")] == CONFIG.n_layer
     assert not ops[("infmoe", "DecoderAttention")] and not ops[("infmoe", "WindowStarts")]
     assert ops[("infmoe", "ContinuousSliceFFN")] == CONFIG.n_layer
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, 7, 50, -2])
+def test_logits_to_keep_gives_the_last_positions(exports, keep):
+    """The onnxruntime target's optional logits_to_keep: not a required input (clients feed
+    Optimum's), 0 by default (every position); n > 0 the last min(n, sequence) rows of the full
+    logits, bit for bit (the same rows through the same head); n <= 0 every row."""
+    exported = exports["onnxruntime"]
+    with OrtRunner(exported.io, exported) as runner:
+        session = runner.sess
+        assert "logits_to_keep" not in {i.name for i in session.get_inputs()}
+        assert "logits_to_keep" in {i.name for i in session.get_overridable_initializers()}
+        assert session.get_outputs()[0].shape[1] == "logits_sequence"
+        feed = exported.io.dummy_inputs(batch=2, sequence=7, past_sequence=3, left_pad=1, seed=keep + 10)
+        full = session.run(["logits"], feed)[0]
+        kept = session.run(["logits"], {**feed, "logits_to_keep": np.array(keep, np.int64)})[0]
+    np.testing.assert_array_equal(kept, full[:, -keep:] if 0 < keep < 7 else full)
+
+
+@pytest.mark.parametrize("cached", [0, 4])
+def test_a_last_only_step_of_the_shared_cache(exports, cached):
+    """SharedCache.step(last_only=True), as `run` prefills a prompt: logits [batch, 1, vocab]
+    equal to the last row of the full step's, the cache written in place as by a full step (the
+    next step's logits equal), from an empty cache and after cached tokens."""
+    exported = exports["onnxruntime"]
+    rng = np.random.default_rng(cached)
+    ids = rng.integers(0, 256, (2, 7))
+    with OrtRunner(exported.io, exported) as runner:
+        results = []
+        for last_only in (False, True):
+            cache = runner.shared_cache(2)
+            if cached:
+                cache.step(ids[:, :cached])
+            logits = cache.step(ids[:, cached:], last_only=last_only)["logits"].copy()
+            results.append((logits, cache.step(ids[:, :1])["logits"].copy(), cache.length))
+    (full, after_full, length_full), (last, after_last, length_last) = results
+    assert last.shape == (2, 1, CONFIG.vocab_size) and full.shape == (2, 7 - cached, CONFIG.vocab_size)
+    np.testing.assert_array_equal(last, full[:, -1:])
+    np.testing.assert_array_equal(after_last, after_full)
+    assert length_last == length_full == 8
 
 
 @pytest.mark.parametrize("options", [dict(k=3, noise="sampled", with_starts=True), dict(past=False),

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from ..contract import (BATCH, DEFAULT_TARGET, DOMAIN, OP_TYPE, OP_VERSION, PAST, SEQUENCE, DecoderIO, ExportedModel,
-                        custom_op_types, moe_op_types)
+from ..contract import (BATCH, DEFAULT_TARGET, DOMAIN, LOGITS_SEQUENCE, LOGITS_TO_KEEP, OP_TYPE, OP_VERSION, PAST,
+                        SEQUENCE, DecoderIO, ExportedModel, custom_op_types, moe_op_types)
 from ..errors import InfMoEError
 from ..files import output_file
 from ..model import InfMoEGPT, gelu_tanh, quantile_noise
@@ -144,6 +145,7 @@ def _rename_dims(graph: ir.Graph, decoder_io: DecoderIO):
     """Give every dynamic dim its Optimum-style name: torch.export calls some 's53', and
     writes sums in either order ('sequence + past_sequence')."""
     wanted = decoder_io.shapes()
+    wanted["logits"] = [BATCH, SEQUENCE, decoder_io.config.vocab_size]  # as traced, before _keep_logits
     mapping = {}
     for value in [*graph.inputs, *graph.outputs]:
         for dim, name in zip(value.shape, wanted[value.name]):
@@ -307,6 +309,37 @@ def _slice_positions_from_the_end(graph: ir.Graph, decoder_io: DecoderIO):
         node.replace_input_with(1, sequence)
 
 
+def _keep_logits(graph: ir.Graph):
+    """The LM head on the last logits_to_keep positions only (contract.LOGITS_TO_KEEP): an
+    overridable initializer, 0 by default (every position: what Optimum and validation read), so
+    no client has to feed it; `run` and the benchmarks' prefill feed 1 (the next token needs no
+    other row, and the LM head is a fifth of a 512-token prefill's arithmetic). Four nodes:
+    hidden[:, -max(n, 0):] before the head (a start of -0 keeps every position; one before the
+    first clamps to it)."""
+    logits = next(v for v in graph.outputs if v.name == "logits")
+    head = logits.producer()
+
+    def initializer(name, value):
+        made = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(value.shape),
+                        const_value=ir.tensor(value, name=name))
+        graph.register_initializer(made)
+        return made
+
+    def node(op, inputs):
+        made = ir.Node("", op, inputs, name=f"/logits_to_keep/{op}")
+        graph.insert_before(head, made)
+        return made.outputs[0]
+
+    keep = initializer(LOGITS_TO_KEEP, np.array(0, np.int64))
+    graph.inputs.append(keep)
+    count = node("Max", [keep, initializer("/logits_to_keep/zero", np.array(0, np.int64))])
+    start = node("Reshape", [node("Neg", [count]), initializer("/logits_to_keep/shape", np.array([1], np.int64))])
+    sliced = node("Slice", [head.inputs[0], start, initializer("/logits_to_keep/end", np.array([2**63 - 1], np.int64)),
+                            initializer("/logits_to_keep/axis", np.array([1], np.int64))])
+    head.replace_input_with(0, sliced)
+    logits.shape = ir.Shape([logits.shape[0], LOGITS_SEQUENCE, logits.shape[2]])
+
+
 def save_model(model: ir.Model, path: Path):
     """Write model to path, its weights to "<name>.data" when protobuf cannot hold them: into a
     temporary directory beside path, then renamed, so a failure leaves no partial file."""
@@ -378,6 +411,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     _slice_positions_from_the_end(onnx_model.graph, decoder_io)
     if target == "onnxruntime":
         finish_ort_graph(onnx_model.graph)
+        _keep_logits(onnx_model.graph)
     onnx_model.graph.sort()
     # none in a dense model, unless QMatMul; a conventional MoE's MoE / QMoE have functions too
     op_types = custom_op_types(onnx_model.graph) | moe_op_types(onnx_model.graph)

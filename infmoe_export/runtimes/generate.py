@@ -3,7 +3,8 @@ has the exported model's DecoderIO as .io.
 
 Prefill runs the prompt once; every next step feeds one token with present -> past, or, when
 the runner offers a shared cache (OrtRunner on a model exported for the onnxruntime target),
-appends it to that cache in place: no step copies the past. Tokens
+appends it to that cache in place: no step copies the past, and the prompt's LM head runs on its
+last position alone (contract.LOGITS_TO_KEEP). Tokens
 are bytes (SPEC §2): only ids 0..255 are sampled, and the text is streamed through an
 incremental UTF-8 decoder, so a character split over tokens prints when it is complete.
 """
@@ -39,7 +40,7 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
             if decoder_io.noise == "sampled":
                 noise = torch.randn(1, len(step_ids), decoder_io.k, generator=generator).numpy()
             if cache is not None:
-                outputs = cache.step(np.array([step_ids]), noise)
+                outputs = cache.step(np.array([step_ids]), noise, last_only=True)
             else:
                 feed = decoder_io.feed(np.array([step_ids]), np.ones((1, len(ids)), np.int64), past, noise)
                 outputs = runner.infer(feed, check_inputs=False)

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 from polygraphy.backend.onnxrt import OnnxrtRunner
 
-from ..contract import DecoderIO, ExportedModel
+from ..contract import LOGITS_TO_KEEP, DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from . import ort_kernel
 from .ort_moe import fallback_copy, qmoe_activations
@@ -71,7 +71,12 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
     take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
         model = ExportedModel.read(model)
-    options = options or ort.SessionOptions()
+    if options is None:
+        options = ort.SessionOptions()
+        if model.io.keeps_logits:
+            # onnxruntime warns at every load that the overridable logits_to_keep is not folded
+            # as a constant: it is an input by design (contract.LOGITS_TO_KEEP). Errors still show.
+            options.log_severity_level = 3
     activations = activations or ort_kernel.activations_of(options)
     _matmulnbits_accuracy(options, activations)
     if stop_spinning:
@@ -143,11 +148,17 @@ class SharedCache:
         self._logits: Dict[tuple, tuple] = {}  # shape -> (array, its OrtValue)
         self._bound_shape = None
         self._others = [n for n in decoder_io.output_names if n != "logits" and not n.startswith("present.")]
+        # The LM head on the last position alone, where the file has the input (exports before it
+        # had none) and the step has no other outputs to fetch.
+        self._last_only = not self._others and LOGITS_TO_KEEP in {
+            i.name for i in session.get_overridable_initializers()}
 
-    def step(self, input_ids, expert_noise=None, attention_mask=None) -> Dict[str, np.ndarray]:
+    def step(self, input_ids, expert_noise=None, attention_mask=None, last_only: bool = False) -> Dict[str, np.ndarray]:
         """Run input_ids [batch, sequence] after the cached tokens; attention_mask covers cached +
         new tokens (default: all ones). Returns logits (a buffer reused by the next step of the
-        same shape: copy what must outlive it) and any expert_starts.{i}."""
+        same shape: copy what must outlive it) and any expert_starts.{i}. last_only: the logits of
+        the last position alone, [batch, 1, vocab] (a prompt's prefill: the LM head runs on one
+        row, contract.LOGITS_TO_KEEP), where the model can; else every position's."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         batch, sequence = input_ids.shape
         total = self.length + sequence
@@ -160,14 +171,16 @@ class SharedCache:
         elif np.shape(attention_mask) != (batch, total):
             raise InfMoEError(f"attention_mask must be [batch, cached + new tokens] = [{batch}, {total}], "
                               f"got {list(np.shape(attention_mask))}")
-        for name, value in self.io.step_inputs(input_ids, attention_mask, expert_noise).items():
+        feeds = self.io.step_inputs(input_ids, attention_mask, expert_noise)
+        if last_only and self._last_only and sequence > 1:
+            logits = self._run_last_only(feeds, batch)
+            self.length = total
+            return {"logits": logits}
+        for name, value in feeds.items():
             self._binding.bind_cpu_input(name, value)  # the cache is bound already
         shape = (batch, sequence, self.io.config.vocab_size)
-        if shape not in self._logits:
-            array = np.empty(shape, np.float32)
-            self._logits[shape] = array, ort.OrtValue.ortvalue_from_numpy(array)
         if shape != self._bound_shape:
-            self._binding.bind_ortvalue_output("logits", self._logits[shape][1])
+            self._binding.bind_ortvalue_output("logits", self._logits_buffer(shape)[1])
             self._bound_shape = shape
         for name in self._others:
             self._binding.bind_output(name)
@@ -178,3 +191,33 @@ class SharedCache:
             bound = self._binding.get_outputs()
             outputs.update(zip(self._others, (v.numpy() for v in bound[len(bound) - len(self._others):])))
         return outputs
+
+    def _logits_buffer(self, shape: tuple) -> tuple:
+        """(array, its OrtValue) of this logits shape, made once."""
+        if shape not in self._logits:
+            array = np.empty(shape, np.float32)
+            self._logits[shape] = array, ort.OrtValue.ortvalue_from_numpy(array)
+        return self._logits[shape]
+
+    def _run_last_only(self, feeds: Dict[str, np.ndarray], batch: int) -> np.ndarray:
+        """One step with logits_to_keep = 1. IOBinding cannot bind an overridable initializer,
+        so it runs through run_with_ortvaluevector, which takes it as a feed and still writes
+        into given outputs: the cache's buffers (in place, as bound) and a logits buffer."""
+        from onnxruntime.capi import _pybind_state as capi
+
+        array, logits = self._logits_buffer((batch, 1, self.io.config.vocab_size))
+        names = [*feeds, *self.io.past_names, LOGITS_TO_KEEP]
+        values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for v in feeds.values()]
+        values += [*self._past, ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))]
+        outputs = [logits, *self._past]
+        feed_vector, fetch_vector = capi.OrtValueVector(), capi.OrtValueVector()
+        for value in values:
+            feed_vector.push_back(value._ortvalue)
+        for value in outputs:
+            fetch_vector.push_back(value._ortvalue)
+        cpu = capi.OrtDevice(capi.OrtDevice.cpu(), capi.OrtDevice.default_memory(), 0)
+        self._session.run_with_ortvaluevector(
+            ort.RunOptions(), names, feed_vector,
+            ["logits", *(n.replace("past_key_values", "present") for n in self.io.past_names)], fetch_vector,
+            [cpu] * len(outputs))
+        return array
