@@ -53,6 +53,7 @@ def _matmulnbits_accuracy(options: ort.SessionOptions, activations: str):
 # each run would share them with the previous session's spinning threads (measured: onnxruntime's
 # MatMul read 16 GB/s right after another session's decode steps, 22-26 once those slept).
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
+DEFAULT_LOG_SEVERITY = ort.SessionOptions().log_severity_level  # warnings
 
 
 def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool = True,
@@ -71,12 +72,12 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
     take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
         model = ExportedModel.read(model)
-    if options is None:
-        options = ort.SessionOptions()
-        if model.io.keeps_logits:
-            # onnxruntime warns at every load that the overridable logits_to_keep is not folded
-            # as a constant: it is an input by design (contract.LOGITS_TO_KEEP). Errors still show.
-            options.log_severity_level = 3
+    options = options or ort.SessionOptions()
+    if model.io.keeps_logits and options.log_severity_level == DEFAULT_LOG_SEVERITY:
+        # onnxruntime warns at every load that the overridable logits_to_keep is not folded as a
+        # constant: it is an input by design (contract.LOGITS_TO_KEEP). Errors still show; a level
+        # the caller chose is kept.
+        options.log_severity_level = 3
     activations = activations or ort_kernel.activations_of(options)
     _matmulnbits_accuracy(options, activations)
     if stop_spinning:
