@@ -223,7 +223,7 @@ def test_llama_cpp_runs_the_written_gguf(tmp_path):
 @pytest.mark.parametrize("precision", list(peers.PRECISIONS))
 def test_our_contender_times_decode_batches_and_prefill(tmp_path, precision):
     """The steps peers times on our exports, on a tiny one: the same past every call, B
-    sequences at once, a prefill; timed together with the shared harness."""
+    sequences at once, a prefill (its last logits); timed together with the shared harness."""
     from conftest import TINY, random_model
     from infmoe_export.export import export_onnx
     from infmoe_export.runtimes.ort_kernel import custom_op_library
@@ -242,7 +242,11 @@ def test_our_contender_times_decode_batches_and_prefill(tmp_path, precision):
     batched = contender.batched(8, 3)()["logits"]
     assert batched.shape == (3, 1, config.vocab_size)
     np.testing.assert_allclose(batched[1], first[0], rtol=1e-4, atol=1e-4)  # a row does not depend on its batch
-    assert contender.prefill(16)()["logits"].shape == (1, 16, config.vocab_size)
+    # A prefill returns the last position's logits (llama.cpp's pp512 does the same): the row a
+    # decode step after 15 cached tokens gives for token 16.
+    last = contender.prefill(16)()["logits"].copy()
+    assert last.shape == (1, 1, config.vocab_size)
+    np.testing.assert_allclose(last[0], contender.decode(15)()["logits"][0], rtol=1e-4, atol=1e-4)
     samples = peers.timed([contender], lambda c: c.batched(8, 2), rounds=2, steps=2)
     assert len(samples["tiny"]) == 2 and all(ms > 0 for ms in samples["tiny"])
     assert contender.describe()["file_bytes"] > 0
