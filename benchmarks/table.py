@@ -1,8 +1,8 @@
 """The README's results table, generated from benchmarks/results/peers.json (and, below it, the
 bundled-scale quality comparison of benchmarks/results/moe_quality.json when present).
 
-The side-by-side run as one Markdown table, with the machine, the date and the versions that
-measured it, and the goals it judged.
+The side-by-side run as one Markdown table, with the machine and the versions that measured it (the
+date stays in the JSON), and the goals it judged.
 
     .venv/bin/python -m benchmarks.table            # rewrite the README between the markers
     .venv/bin/python -m benchmarks.table --print    # the block on stdout, the README untouched
@@ -81,7 +81,7 @@ def markdown(result: dict, source: str) -> str:
     versions = ", ".join(f"{p} {machine['versions'][p]}" for p in VERSIONS if machine["versions"].get(p))
     load = machine.get("load_average")
     quiet = f" (load average {load[1]:.1f} over the last 5 minutes)" if load else ""
-    lines += ["", f"{machine['cpu']}, {machine['cores']} cores{quiet}, {threads} threads; {machine['date'][:10]}; "
+    lines += ["", f"{machine['cpu']}, {machine['cores']} cores{quiet}, {threads} threads; "
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
                   "a fresh process."]

@@ -125,7 +125,7 @@ def test_table_rewrites_only_the_block(tmp_path):
     assert rows[0] == "| ours all-int4 K=2 | 3.50 | 200 | 700 | 600 | 150 |"
     assert rows[2] == "| llama.cpp Small Q4_0 | 5.00 | 250 | 250 | 1000 | – |"  # its RSS child failed
     assert "| 2 threads | decode, past 128: ms/token | batched B = 1: tokens/s | batched B = 16: tokens/s |" in block
-    assert "Test CPU 9000, 2 cores (load average 0.2 over the last 5 minutes), 2 threads; 2030-01-02; Python 3.11.7, infmoe-export 0.1.0, onnxruntime 1.32.0, " \
+    assert "Test CPU 9000, 2 cores (load average 0.2 over the last 5 minutes), 2 threads; Python 3.11.7, infmoe-export 0.1.0, onnxruntime 1.32.0, " \
            "llama-cpp-python 0.3.36, torch 2.13.0." in block
     assert "Not measured: llama.cpp Medium (not built)." in block
     assert "- batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0: 1.43 (met: at least 1.3)" in block
