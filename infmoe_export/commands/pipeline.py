@@ -48,6 +48,7 @@ from ..report.small_model import small_model_speed
 from ..report.timing import REL_CI, environment
 from ..report.tradeoff import DEFAULT_QUALITY_BUDGET
 from ..runtimes import ort_kernel
+from ..runtimes.registry import BACKENDS
 from ..runtimes.tensorrt import build_engines, tensorrt_problem
 from ..verify.parity import DEFAULT_MAX_PPL_INCREASE, DEFAULT_MIN_TOP1, failure_line, run_parity
 from ..verify.validate import validate_onnx
@@ -226,7 +227,7 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
     models = []
     engines = None
     kernel = ort_kernel.custom_op_library() is not None
-    backends = ["torch", "ort", "ort-a8", "ort-fallback", "trt"] if matrix.full else [deployed_backend(kernel)]
+    backends = list(BACKENDS) if matrix.full else [deployed_backend(kernel)]
     n = torch_model.config.n_positions
     past = min(DEFAULT_PAST, n - 1)  # a cache of 128 and a prefill of 128, or as long as the model allows
     dtypes = [c.dtype for c in choices]

@@ -23,11 +23,9 @@ from .timing import status_kib
 
 DECODE_STEPS = 8
 CHILD_TIMEOUT_S = 600
-NO_ALLOCATOR = {"torch": "PyTorch exposes its allocator's peak on CUDA only",
-                "ort": "onnxruntime's Python API does not expose its arena's statistics",
-                "ort-a8": "onnxruntime's Python API does not expose its arena's statistics",
-                "ort-fallback": "onnxruntime's Python API does not expose its arena's statistics",
-                "trt": "TensorRT's allocator peak is not exposed"}
+_NO_ARENA = "onnxruntime's Python API does not expose its arena's statistics"
+NO_ALLOCATOR = {"torch": "PyTorch exposes its allocator's peak on CUDA only", "ort": _NO_ARENA, "ort-a8": _NO_ARENA,
+                "ort-fallback": _NO_ARENA, "trt": "TensorRT's allocator peak is not exposed"}
 
 
 def files_of(path: Path) -> List[Path]:

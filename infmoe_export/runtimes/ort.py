@@ -53,7 +53,7 @@ def _matmulnbits_accuracy(options: ort.SessionOptions, activations: str):
 # each run would share them with the previous session's spinning threads (measured: onnxruntime's
 # MatMul read 16 GB/s right after another session's decode steps, 22-26 once those slept).
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
-DEFAULT_LOG_SEVERITY = ort.SessionOptions().log_severity_level  # warnings
+DEFAULT_LOG_SEVERITY = ort.SessionOptions().log_severity_level  # unset: the default logger's level
 
 
 def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool = True,
