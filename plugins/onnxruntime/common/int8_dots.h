@@ -4,8 +4,9 @@
 // dot with a token is, per group, an exact integer sum of q times qx, scaled by the weight
 // block's scale times the group's. Where compute binds (int4 on AVX2, batches, prefill) this does
 // the work of the float loops in fewer instructions and converts no weight to float.
-// Every (token, row) sum is its own, over the groups in order: the same bits for any number of
-// tokens beside it, any tiling and any number of threads.
+// Every (token, row) sum is its own: the same bits for any tokens beside it in a call of the same
+// size and any number of threads. Calls of up to kInt4RowsUpTo tokens and larger ones add a row's
+// groups in different orders (float rounding apart).
 #pragma once
 
 #include <array>
@@ -19,23 +20,26 @@ namespace {
 constexpr int64_t kGroup = 32;
   // activation columns per scale: one AVX2 register of int8
 
-// A token's activations for the integer dots: per group, the 32 int8 values (int4 rows: the
-// group's even columns, then its odd ones, as a row's nibbles unpack) and scale / zero groups
-// past d. A group holding a NaN or infinity gets a NaN scale: the token's dots become NaN, as
-// the float path's would.
+// A token's activations for the integer dots: per group, the 32 int8 values and scale / zero
+// groups past d. int8 rows read a group's values in column order; int4 rows read them as a row's
+// nibbles unpack, pairs of groups at a time: per pair (2 p, 2 p + 1) 64 bytes, the even columns
+// of both groups (16 each), then their odd columns. Groups are padded with zeros (values, scales
+// and offsets) to a multiple of 8, so whole registers of groups can be read. A group holding a
+// NaN or infinity gets a NaN scale: the token's dots become NaN, as the float path's would.
 struct QuantizedTokens {
   int bits;
   int64_t groups;
-  std::vector<int8_t> q;     // [tokens, groups, 32]
-  std::vector<float> scale;  // [tokens, groups]
-  // [tokens, groups]: 8 times the group's sum of qx. int4 rows' nibbles are u = q + 8, so a
+  int64_t lanes;             // groups rounded up to 8: scales and offsets a token
+  std::vector<int8_t> q;     // [tokens, lanes, 32]
+  std::vector<float> scale;  // [tokens, lanes]
+  // [tokens, lanes]: 8 times the group's sum of qx. int4 rows' nibbles are u = q + 8, so a
   // group's sum of u . qx is this much more than its sum of q . qx.
   std::vector<int32_t> offset;
 
   template <typename T>
   QuantizedTokens(const T* x, int64_t tokens, int64_t d, int row_bits)
-      : bits(row_bits), groups((d + kGroup - 1) / kGroup), q(tokens * groups * kGroup, 0), scale(tokens * groups, 0.0f),
-        offset(tokens * groups, 0) {
+      : bits(row_bits), groups((d + kGroup - 1) / kGroup), lanes((groups + 7) / 8 * 8), q(tokens * lanes * kGroup, 0),
+        scale(tokens * lanes, 0.0f), offset(tokens * lanes, 0) {
     float v[kGroup];
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -47,23 +51,31 @@ struct QuantizedTokens {
           finite = finite && std::isfinite(v[c]);
           most = std::max(most, std::fabs(v[c]));
         }
-        float& s = scale[t * groups + g];
+        float& s = scale[t * lanes + g];
         if (!finite) {
           s = std::numeric_limits<float>::quiet_NaN();
           continue;
         }
         if (most == 0.0f) continue;
         s = most / 127.0f;
-        int8_t* out = &q[(t * groups + g) * kGroup];
         for (int64_t c = 0; c < kGroup; ++c) {
-          const int64_t slot = bits == 4 ? (c % 2) * (kGroup / 2) + c / 2 : c;
-          out[slot] = static_cast<int8_t>(std::clamp(std::nearbyint(v[c] / s), -127.0f, 127.0f));
-          offset[t * groups + g] += 8 * out[slot];
+          int8_t& out = q[t * lanes * kGroup + Slot(g, c)];
+          out = static_cast<int8_t>(std::clamp(std::nearbyint(v[c] / s), -127.0f, 127.0f));
+          offset[t * lanes + g] += 8 * out;
         }
       }
     }
   }
-  const int8_t* Group(int64_t t, int64_t g) const { return &q[(t * groups + g) * kGroup]; }
+  // Where column c of group g lies in a token's values.
+  int64_t Slot(int64_t g, int64_t c) const {
+    return bits == 4 ? g / 2 * 2 * kGroup + c % 2 * kGroup + g % 2 * (kGroup / 2) + c / 2 : g * kGroup + c;
+  }
+  const int8_t* Values(int64_t t) const { return &q[t * lanes * kGroup]; }
+  // int8 rows: group g's 32 values in column order.
+  const int8_t* Group(int64_t t, int64_t g) const { return Values(t) + g * kGroup; }
+  // int4 rows: group g's even columns' 16 values, its odd columns' 16 at + kGroup.
+  const int8_t* Even(int64_t t, int64_t g) const { return Values(t) + Slot(g, 0); }
+  float Scale(int64_t t, int64_t g) const { return scale[t * lanes + g]; }
 
   // The tokens as T [tokens, d]: qx times its group's scale (the integer dots' operands), which
   // the float paths multiply instead of x.
@@ -72,9 +84,8 @@ struct QuantizedTokens {
     std::vector<T> out(tokens * d);
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t c = 0; c < d; ++c) {
-        const int64_t g = c / kGroup, slot = c % kGroup;
-        const int64_t at = bits == 4 ? (slot % 2) * (kGroup / 2) + slot / 2 : slot;
-        FromFloat(static_cast<float>(Group(t, g)[at]) * scale[t * groups + g], &out[t * d + c]);
+        const int64_t g = c / kGroup;
+        FromFloat(static_cast<float>(Values(t)[Slot(g, c % kGroup)]) * Scale(t, g), &out[t * d + c]);
       }
     return out;
   }
@@ -121,7 +132,7 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
         const float ws = ToFloat(row.scale[g / per_block]);
         for (int t = 0; t < Tt; ++t) {
           const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[t]), _mm256_madd_epi16(wh, xh[t]));
-          const __m256 s = _mm256_set1_ps(ws * x.scale[ids[t] * groups + g]);
+          const __m256 s = _mm256_set1_ps(ws * x.Scale(ids[t], g));
           acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
         }
       }
@@ -140,15 +151,14 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
       const auto row = w.At(lo + j);
       float acc = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* qx = x.Group(ids[t], g);
+        const int8_t* qx = x.Values(ids[t]);
         const uint8_t* src = row.q + g * kGroupBytes<Bits>;
         int32_t sum = 0;
         for (int64_t c = 0; c < kGroup; ++c) {
-          // Column c of the group and its slot in qx (int4: even columns first, as the nibbles unpack).
           const int q = Bits == 8 ? src[c] - 128 : ((src[c / 2] >> (4 * (c % 2))) & 15) - 8;
-          sum += q * qx[Bits == 4 ? (c % 2) * (kGroup / 2) + c / 2 : c];
+          sum += q * qx[x.Slot(g, c)];
         }
-        acc += static_cast<float>(sum) * (ToFloat(row.scale[g / per_block]) * x.scale[ids[t] * groups + g]);
+        acc += static_cast<float>(sum) * (ToFloat(row.scale[g / per_block]) * x.Scale(ids[t], g));
       }
       dots[t * ldd + j] = acc;
     }
@@ -199,18 +209,18 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
   for (int64_t g = 0; g < x.groups; ++g) {
     __m256i p[Tt];
     const int8_t* qx[Tt];
-    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), qx[t] = x.Group(ids[t], g);
+    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), qx[t] = x.Even(ids[t], g);
     for (int i = 0; i < 8; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 256 * g + 32 * i));
       for (int t = 0; t < Tt; ++t) {
-        int32_t four;
-        std::memcpy(&four, qx[t] + 4 * i, sizeof four);
+        int32_t four;  // even columns' slots 4 i .. (i < 4), then the odd ones'
+        std::memcpy(&four, qx[t] + (i < 4 ? 4 * i : kGroup + 4 * (i - 4)), sizeof four);
         p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
       }
     }
     const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kInt4TileRows);
     for (int t = 0; t < Tt; ++t) {
-      const int64_t at = ids[t] * x.groups + g;
+      const int64_t at = ids[t] * x.lanes + g;
       const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(p[t], ones), _mm256_set1_epi32(x.offset[at]));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
     }
@@ -278,6 +288,111 @@ void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens,
 }
 #endif
 
+#if defined(__AVX2__)
+// int4 rows on AVX2 one at a time, for a few tokens: a row's bytes as stored, two groups a
+// register (one load, a mask and a shift give both groups' even and odd columns, as
+// QuantizedTokens lays out a pair), two vpmaddubsw per token and pair, their 16-bit sums added
+// pairwise by three horizontal adds per 8 groups (exact: at most 30480), one vpmaddwd and one
+// permutation give the 8 group sums in order, less their offsets, and one FMA by the row's scales
+// times the token's. A row streams from memory with loads only; a tile first writes its
+// transposed groups, which pays off only over more tokens.
+constexpr int kInt4RowTokens = 3;  // per token 2 partial sums and acc, beside the weights' 4 registers
+// Up to this many tokens rows beat tiles: in a decode step, where the rows come from memory, by
+// a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py).
+constexpr int64_t kInt4RowsUpTo = 4;
+
+// Adds to acc[t] token ids[t]'s dot with groups c .. c + 7 of the row of bytes q, t < Tt; ws: the
+// row's scale per group. kFull: all 8 groups are in the row; else those past x.groups are zeros.
+template <int Tt, bool kFull>
+inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const int64_t* ids, const uint8_t* q,
+                     const float* ws, int64_t c, __m256* acc) {
+  const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the adds leave g0 g2 g4 g6 | g1 g3 g5 g7
+  __m256i half[Tt][2], first[Tt];
+  for (int k = 0; k < 4; ++k) {
+    const int64_t g = c + 2 * k;  // the pair's first group
+    const uint8_t* bytes = q + g * kGroupBytes<4>;
+    __m256i v = _mm256_setzero_si256();
+    if (kFull || g + 1 < x.groups) {
+      v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    } else if (g < x.groups) {  // a last group alone: the row holds no more bytes
+      v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    }
+    const __m256i even = _mm256_and_si256(v, mask), odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    for (int t = 0; t < Tt; ++t) {
+      const int8_t* pair = qx[t] + g * kGroup;
+      // 16-bit sums, 8 a group (lanes 0-7: group g, 8-15: g + 1), each of at most 2 x 2 x 15 x 127
+      const __m256i sums = _mm256_add_epi16(
+          _mm256_maddubs_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair))),
+          _mm256_maddubs_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kGroup))));
+      if (k % 2 == 0) {
+        first[t] = sums;
+      } else {
+        half[t][k / 2] = _mm256_hadd_epi16(first[t], sums);  // 4 a group, each at most 15240
+      }
+    }
+  }
+  const __m256 w = _mm256_loadu_ps(ws + c);
+  for (int t = 0; t < Tt; ++t) {
+    const int64_t at = ids[t] * x.lanes + c;
+    // 2 a group (at most 30480: exact in 16 bits), then one a group in 32 bits
+    const __m256i pairs = _mm256_madd_epi16(_mm256_hadd_epi16(half[t][0], half[t][1]), ones);
+    const __m256i sums = _mm256_permutevar8x32_epi32(pairs, in_order);
+    const __m256i exact = _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.offset[at])));
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(w, _mm256_loadu_ps(&x.scale[at])), acc[t]);
+  }
+}
+
+// out[t] = token ids[t] . the row of bytes q, t < Tt; ws: the row's scale per group (x.lanes, zeros
+// past the groups).
+template <int Tt>
+void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* q, const float* ws, float* out) {
+  const int8_t* qx[Tt];
+  __m256 acc[Tt];
+  for (int t = 0; t < Tt; ++t) qx[t] = x.Values(ids[t]), acc[t] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= x.groups; c += 8) RowChunk<Tt, true>(x, qx, ids, q, ws, c, acc);
+  if (c < x.groups) RowChunk<Tt, false>(x, qx, ids, q, ws, c, acc);
+  for (int t = 0; t < Tt; ++t) {
+    Lanes<8> v;
+    std::memcpy(&v, &acc[t], sizeof v);
+    out[t] = SumLanes<8>(v);
+  }
+}
+
+template <size_t... I>
+constexpr auto RowDotTable(std::index_sequence<I...>) {
+  using Fn = void (*)(const QuantizedTokens&, const int64_t*, const uint8_t*, const float*, float*);
+  return std::array<Fn, sizeof...(I)>{&RowDots<static_cast<int>(I) + 1>...};
+}
+
+// IntDots of int4 rows, row by row (RowDots).
+template <typename T>
+void RowInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<4, T>& w,
+                 int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
+  static constexpr auto kDots = RowDotTable(std::make_index_sequence<kInt4RowTokens>());
+  thread_local std::vector<float> expanded;
+  expanded.assign(x.lanes, 0.0f);
+  // Float scales a group each, a whole number of registers of them: read where they are.
+  const bool as_stored = std::is_same_v<T, float> && per_block == 1 && x.groups == x.lanes;
+  for (int64_t j = 0; j < rows; ++j) {
+    const auto row = w.At(lo + j);
+    const float* ws = expanded.data();
+    if constexpr (std::is_same_v<T, float>) {
+      if (as_stored) ws = row.scale;
+    }
+    if (!as_stored)
+      for (int64_t g = 0; g < x.groups; ++g) expanded[g] = ToFloat(row.scale[g / per_block]);
+    for (int64_t t = 0; t < tokens; t += kInt4RowTokens) {
+      const int64_t tt = std::min<int64_t>(kInt4RowTokens, tokens - t);
+      float out[kInt4RowTokens];
+      kDots[tt - 1](x, ids + t, row.q, ws, out);
+      for (int64_t k = 0; k < tt; ++k) dots[(t + k) * ldd + j] = out[k];
+    }
+  }
+}
+#endif
+
 // The register blocks of IntDotBlock, tokens x rows: on AVX2 (int8 rows) 2 x 4 accumulators
 // beside the tokens' 16-bit activations (two registers a token), within 16 registers.
 constexpr int kIntTokens = 2;
@@ -309,7 +424,10 @@ template <int Bits, typename T>
 void IntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
              int64_t block_size, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
 #if defined(__AVX2__)
-  if constexpr (Bits == 4) return TiledInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
+  if constexpr (Bits == 4) {
+    if (tokens <= kInt4RowsUpTo) return RowInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
+    return TiledInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
+  }
 #endif
   BlockedIntDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
 }
