@@ -5,7 +5,8 @@
 // nibble and 16 g + 2 j + 1 in its high one. Zero-extended to 8 dwords (one vpmovzxbd), the low
 // nibbles are one mask away and the high ones one shift: slot 2 g holds the group's even columns,
 // slot 2 g + 1 its odd ones, and x and the partial outputs are laid out the same way. Per 16
-// weights: widen, mask, shift, two subtractions of 8, two conversions and two FMAs; the natural
+// weights of a dot: widen, mask, shift, two subtractions of 8, two conversions and two FMAs (an
+// update of the partial output, 4 rows a pass, subtracts 8 once per block instead); the natural
 // layout's interleave (one column a byte, in order) cost a shuffle and a sign extension per 8.
 template <typename T>
 struct NibbleRows {
@@ -40,6 +41,11 @@ struct NibbleRows {
   static Lanes<8> Odd(__m256i u) {
     return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(u, 4), _mm256_set1_epi32(8))));
   }
+  // The same as the stored nibbles u = q + 8.
+  static Lanes<8> EvenStored(__m256i u) {
+    return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15))));
+  }
+  static Lanes<8> OddStored(__m256i u) { return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4))); }
 };
 
 template <typename T>
@@ -48,7 +54,7 @@ NibbleRows<T> DecodeRows(const QuantRows<4, T>& w) {
 }
 template <typename T>
 struct DecodeLayout<NibbleRows<T>> {
-  static constexpr int kRows = 1;
+  static constexpr int kRows = 4;  // AxpyRows: a pass over the partial output serves 4 rows
   static int64_t Slots(int64_t d) { return 2 * ((d + 15) / 16); }
   static int64_t Column(int64_t s, int l) { return s / 2 * 16 + 2 * l + s % 2; }
   static float XScale(int64_t) { return 1.0f; }
@@ -74,16 +80,25 @@ inline float Dot(const NibbleRows<T>& w, int64_t i, const Lanes<8>* x, int64_t, 
   return SumLanes<8>(even + odd);
 }
 
-// out += h * row i, h times the block's scale once per block; out in this layout.
-template <typename T>
-inline void Axpy(const NibbleRows<T>& w, int64_t i, float h, int64_t, int64_t, Lanes<8>* out) {
-  const auto row = w.At(i);
+// out += h[r stride] * row i + r stride for r < Rows, in one pass over out; out in this layout.
+// Per block, c = h times the block's scale, and c q = c u - 8 c: the stored nibbles are
+// converted as they are, and the rows' 8 c once from each slot.
+template <int Rows, typename T>
+inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const float* h, int64_t, int64_t,
+                     Lanes<8>* out) {
+  typename NibbleRows<T>::Row row[Rows];
+  for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride);
   for (int64_t g = 0, b = 0; g < w.groups; ++b) {
-    const float c = h * ToFloat(row.scale[b]);
+    float c[Rows], offset = 0.0f;
+    for (int r = 0; r < Rows; ++r) c[r] = h[r * stride] * ToFloat(row[r].scale[b]), offset += 8.0f * c[r];
     for (const int64_t end = std::min(g + w.groups_per_block, w.groups); g < end; ++g) {
-      const __m256i u = w.Group(row, g);
-      out[2 * g] += c * NibbleRows<T>::Even(u);
-      out[2 * g + 1] += c * NibbleRows<T>::Odd(u);
+      Lanes<8> even = out[2 * g] - offset, odd = out[2 * g + 1] - offset;
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i u = w.Group(row[r], g);
+        even += c[r] * NibbleRows<T>::EvenStored(u);
+        odd += c[r] * NibbleRows<T>::OddStored(u);
+      }
+      out[2 * g] = even, out[2 * g + 1] = odd;
     }
   }
 }

@@ -5,7 +5,8 @@
 //  * decode (few tokens): per token, the rows its windows cover are cut into fixed chunks; each
 //    chunk reads its w_in rows once, front to back (quantized rows on AVX-512: four runs of them
 //    side by side), for dot products, applies bias, GELU and coverage, then reads its w_out rows
-//    once the same way (into the chunk's partial output); partials are summed in chunk order.
+//    once the same way (int4 rows on AVX2 too: four runs a pass over the chunk's partial output);
+//    partials are summed in chunk order.
 //    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
 //    on whole registers of floats and nothing is converted or copied outside them.
 //  * prefill (many tokens): tokens sorted by window position and grouped; per group, GEMMs
