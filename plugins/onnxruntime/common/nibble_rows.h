@@ -102,3 +102,67 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
     }
   }
 }
+
+// The batched path's w_out product on int4 rows: out[t] += h[t ldh + j] * row lo + j over j < rows,
+// for each token t, out in this layout. Per group, each row's nibbles are converted once for all
+// the tokens (up to kTokens at a time), whose sums stay in registers; per block, the factors
+// h times the row's scale, and their 8 c subtracted once from each slot (as AxpyRows). A token's
+// sums are its own, in row order: the same whatever tokens share the block.
+template <typename T>
+struct RowsAxpy<NibbleRows<T>> {
+  static constexpr bool kInLayout = true;
+  static constexpr int kTokens = 5;  // two registers of sums a token, beside a row's two conversions and a factor
+  // Calls of more tokens take the float blocks: converted once, a block serves a dozen tokens for less.
+  static constexpr int64_t kMostTokens = 2 * kTokens;
+  static int64_t Position(int64_t c) { return c / 16 * 16 + c % 2 * 8 + c % 16 / 2; }
+
+  template <int Tt>
+  static void Block(const NibbleRows<T>& w, int64_t lo, int64_t rows, const float* h, int64_t ldh, float* const* out) {
+    thread_local std::vector<float> factor;  // [rows][Tt]: h times the row's scale of the block
+    factor.resize(rows * Tt);
+    for (int64_t g = 0, b = 0; g < w.groups; ++b) {
+      float offset[Tt] = {};
+      for (int64_t j = 0; j < rows; ++j) {
+        const float scale = ToFloat(w.At(lo + j).scale[b]);
+#pragma GCC unroll 8
+        for (int t = 0; t < Tt; ++t) factor[j * Tt + t] = h[t * ldh + j] * scale, offset[t] += 8.0f * factor[j * Tt + t];
+      }
+      for (const int64_t end = std::min(g + w.groups_per_block, w.groups); g < end; ++g) {
+        Lanes<8> even[Tt], odd[Tt];
+#pragma GCC unroll 8
+        for (int t = 0; t < Tt; ++t) {
+          std::memcpy(&even[t], out[t] + 16 * g, sizeof even[t]);
+          std::memcpy(&odd[t], out[t] + 16 * g + 8, sizeof odd[t]);
+          even[t] -= offset[t], odd[t] -= offset[t];
+        }
+        for (int64_t j = 0; j < rows; ++j) {
+          const __m256i u = w.Group(w.At(lo + j), g);
+          const Lanes<8> e = NibbleRows<T>::EvenStored(u), o = NibbleRows<T>::OddStored(u);
+#pragma GCC unroll 8
+          for (int t = 0; t < Tt; ++t) {
+            const float c = factor[j * Tt + t];
+            even[t] += c * e, odd[t] += c * o;
+          }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < Tt; ++t) {
+          std::memcpy(out[t] + 16 * g, &even[t], sizeof even[t]);
+          std::memcpy(out[t] + 16 * g + 8, &odd[t], sizeof odd[t]);
+        }
+      }
+    }
+  }
+
+  template <size_t... I>
+  static constexpr auto Table(std::index_sequence<I...>) {
+    using Fn = void (*)(const NibbleRows<T>&, int64_t, int64_t, const float*, int64_t, float* const*);
+    return std::array<Fn, sizeof...(I)>{&Block<static_cast<int>(I) + 1>...};
+  }
+
+  static void Run(const NibbleRows<T>& w, int64_t lo, int64_t rows, const float* h, int64_t ldh, int64_t tokens,
+                  float* const* out) {
+    static constexpr auto kBlocks = Table(std::make_index_sequence<kTokens>());
+    for (int64_t t = 0; t < tokens; t += kTokens)
+      kBlocks[std::min<int64_t>(kTokens, tokens - t) - 1](w, lo, rows, h + t * ldh, ldh, out + t);
+  }
+};

@@ -253,6 +253,15 @@ struct DecodeLayout {
   static constexpr bool kIntegerDot = false;  // x is slot(x, u) * XScale(u); else Layout::PackX
 };
 
+// The batched path's w_out product (ops/continuous_slice_ffn/cpu.cc) through a format's decode
+// rows: from a block of the rows converted to floats (common/batched.h), or, where the decode rows
+// have a product of their own (kInLayout: int4 rows on AVX2), from the rows as stored into partial
+// outputs in the decode layout (Position: where column c lies in them).
+template <class Rows>
+struct RowsAxpy {
+  static constexpr bool kInLayout = false;
+};
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include "common/packed_rows.h"
 #elif defined(__AVX2__)

@@ -254,6 +254,24 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
                    const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   const int64_t depth = PaddedDepth(s.d), items = (s.h + kItemRows - 1) / kItemRows;
   const std::vector<float> xs = PaddedTokens(x, s.tokens, s.d);
+  // w_out's product: through float blocks, or for calls of few tokens from its decode rows into
+  // partials in their layout (chosen per call, never per block: a token's sums do not depend on
+  // how many others share a block).
+  const auto& rows_out = DecodeRows(w_out);
+  using OutRows = std::decay_t<decltype(rows_out)>;
+  using OutAxpy = RowsAxpy<OutRows>;
+  bool in_layout = false;
+  int64_t stride = depth;
+  if constexpr (OutAxpy::kInLayout) {
+    in_layout = s.tokens <= OutAxpy::kMostTokens;
+    if (in_layout) stride = std::max(depth, DecodeLayout<OutRows>::Slots(s.d) * int64_t{OutRows::kWidth});
+  }
+  const auto position = [in_layout](int64_t c) {
+    if constexpr (OutAxpy::kInLayout) {
+      if (in_layout) return OutAxpy::Position(c);
+    }
+    return c;
+  };
   // The tokens that reach into each item, in token order, and each token's partial there.
   std::vector<std::vector<int64_t>> tokens_of(items);
   std::vector<char> reached(items);
@@ -268,7 +286,7 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
   }
   std::vector<int64_t> first(items + 1, 0);
   for (int64_t item = 0; item < items; ++item) first[item + 1] = first[item] + tokens_of[item].size();
-  std::vector<float> partials(first[items] * depth, 0.0f);
+  std::vector<float> partials(first[items] * stride, 0.0f);
 
   parallel_for(static_cast<size_t>(items), [&](size_t item) {
     const std::vector<int64_t>& list = tokens_of[item];
@@ -288,7 +306,7 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
         if (std::any_of(c, c + rows, [](float v) { return v != 0.0f; })) {
           covering.push_back(list[g]);
           xs_of.push_back(xs.data() + list[g] * depth);
-          outs_of.push_back(partials.data() + (first[item] + static_cast<int64_t>(g)) * depth);
+          outs_of.push_back(partials.data() + (first[item] + static_cast<int64_t>(g)) * stride);
         }
       }
       const int64_t n = static_cast<int64_t>(covering.size());
@@ -307,6 +325,12 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
       GeluTanh(h);
       const Eigen::Map<const Eigen::ArrayXf> c(coverage.data(), n * rows);
       h = (c != 0.0f).select(h * c, 0.0f);  // uncovered: exactly zero, whatever GELU gave
+      if constexpr (OutAxpy::kInLayout) {
+        if (in_layout) {
+          OutAxpy::Run(rows_out, lo, rows, hidden.data(), rows, n, outs_of.data());
+          continue;
+        }
+      }
       const float* block = FloatBlock(w_out, lo, hi, scratch_out, &ld);
       Axpys(hidden.data(), rows, n, block, ld, rows, depth, outs_of.data());
     }
@@ -318,8 +342,8 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
     for (int64_t c = 0; c < s.d; ++c) sum[c] = ToFloat(b_out[c]);
     for (int64_t item = 0; item < items; ++item) {
       if (next[item] == tokens_of[item].size() || tokens_of[item][next[item]] != t) continue;
-      const float* partial = partials.data() + (first[item] + static_cast<int64_t>(next[item]++)) * depth;
-      for (int64_t c = 0; c < s.d; ++c) sum[c] += partial[c];
+      const float* partial = partials.data() + (first[item] + static_cast<int64_t>(next[item]++)) * stride;
+      for (int64_t c = 0; c < s.d; ++c) sum[c] += partial[position(c)];
     }
     for (int64_t c = 0; c < s.d; ++c) FromFloat(sum[c], y + t * s.d + c);
   }
