@@ -151,6 +151,12 @@ def test_pipeline_quick_tour_by_default(checkpoint, tmp_path, run_cli):
     markdown = (out / "report.md").read_text()
     assert "Exported as: portable fp32, portable all-int4" in markdown
     assert "<summary>Latency, quantile noise, portable all-int4</summary>" in markdown
+    # Each decode row beside a generation as `run` makes it, on the same backend.
+    agreement = report["bench"]["run_agreement"]
+    assert {(r["backend"], r["dtype"], r["k"]) for r in agreement} == {
+        (deployed, d, k) for d in ("fp32", "int4") for k in (1, 2, 8)}
+    assert all(r["steps"] >= 1 and r["run_ms"]["median"] > 0 for r in agreement)
+    assert "## `run` beside the latency table" in markdown and "run's decode speed agrees" in stdout
 
 
 def test_interrupted_pipeline_leaves_no_output(checkpoint, tmp_path):

@@ -743,3 +743,44 @@ def test_small_model_table_malformed_is_a_warning(tmp_path, content, message):
     section, warning = small_model_speed(tmp_path)
     assert section is None and message in warning and "\n" not in warning
     assert small_model_speed(tmp_path / "absent") == (None, None)
+
+
+def test_timed_decode_is_a_shared_cache_step_as_run_makes_it(tmp_path):
+    """On a model with a shared KV cache the timed decode call is a step of that cache at exactly
+    the bench's past, every call: its logits are the last row of a full recompute of the same
+    tokens, call after call."""
+    from infmoe_export.report.bench import text_tokens, timed_call
+    from infmoe_export.runtimes.ort import OrtRunner
+
+    model = InfMoEGPT(InfMoEConfig(vocab_size=256, n_positions=40, d_model=16, n_layer=2, n_head=2, ffn_hidden=37,
+                                   slice_width=9, num_samples=2))  # head_dim 8: onnxruntime's attention fits
+    model.reset_parameters(seed=2)
+    exported = export_onnx(model.eval(), tmp_path / "ort.onnx", k=1, target="onnxruntime")
+    runner = OrtRunner(exported.io, exported, kernel=False)
+    with runner:
+        call = timed_call(runner, exported, 1, 1, 8)
+        first = np.array(call()["logits"])
+        again = np.array(call()["logits"])
+        full = runner.infer(exported.feed(text_tokens(9)[None]), check_inputs=False)["logits"]
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_allclose(first[0, -1], full[0, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_run_agreement_puts_a_generation_beside_each_decode_row(setup):
+    """Per quantile model timed at batch-1 decode on the backend: a generation of the steps asked
+    for, its prompt starting at the table's past less half of them; `agrees` is the overlap of the
+    two intervals, and the rows validate in the report's schema."""
+    from infmoe_export.report.bench import run_agreement
+
+    report = setup["report"]
+    bench = report["bench"]
+    rows = run_agreement(setup["model"], setup["models"], bench, backend="ort-fallback", threads=1, steps=6)
+    timed = {(r["k"], r["noise"], r["dtype"]) for r in bench["results"]
+             if r["backend"] == "ort-fallback" and r["status"] == "ok" and r["phase"] == "decode" and r["batch"] == 1}
+    assert {(r["k"], r["noise"], r["dtype"]) for r in rows} == timed and rows
+    for r in rows:
+        assert r["steps"] == 6 and r["past_from"] == bench["settings"]["decode_past"] - 3
+        assert 0 < r["run_ms"]["ci_low"] <= r["run_ms"]["median"] <= r["run_ms"]["ci_high"]
+        assert r["agrees"] == within_noise(r["bench_ms"], r["run_ms"])
+    validate_report({**report, "bench": {**bench, "run_agreement": rows}})
+    assert run_agreement(setup["model"], setup["models"], bench, backend="trt", steps=6) == []

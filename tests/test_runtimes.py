@@ -2,6 +2,7 @@
 precedence over the fallback function, generation, and `infmoe-export run`."""
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -213,3 +214,29 @@ def test_run_bad_input(tmp_path, run_cli, args, message, monkeypatch):
     assert code != 0 and message in err
     if "Invalid value" not in message:  # click's own usage errors take two lines
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_run_timings_line(tmp_path, run_cli, monkeypatch, make_checkpoint):
+    """--timings adds one line to stderr: the prefill of the prompt, then as many decode steps as
+    tokens after the first, their median inside its 95% interval; stdout is the text alone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = make_checkpoint(seed=9, d_model=16, n_head=2)
+    code, plain, _ = run_cli("run", "--checkpoint", ckpt, "--prompt", "abc", "--max-new-tokens", 6)
+    code, out, err = run_cli("run", "--checkpoint", ckpt, "--prompt", "abc", "--max-new-tokens", 6, "--timings")
+    assert code == 0, err
+    assert out == plain
+    line = err.strip().splitlines()[-1]
+    match = re.fullmatch(r"prefill: 3 tokens in ([\d.]+) ms; decode: 5 steps, median ([\d.]+) ms/token "
+                         r"\[([\d.]+), ([\d.]+)\], ([\d.]+) tokens/s", line)
+    assert match, line
+    prefill, median, low, high, rate = map(float, match.groups())
+    assert prefill > 0 and 0 < low <= median <= high and rate == pytest.approx(1e3 / median, rel=1e-2)
+
+
+def test_generate_times_each_model_call(make_checkpoint):
+    """generate's timings: one entry per model call (the prefill, then a step per further token)."""
+    ckpt = make_checkpoint(seed=10)
+    model = load_checkpoint(ckpt)
+    seconds = []
+    new = generate(TorchRunner(DecoderIO(model.config, model.config.num_samples), model), b"xyz", 5, timings=seconds)
+    assert len(new) == 5 and len(seconds) == 5 and all(s > 0 for s in seconds)

@@ -41,7 +41,7 @@ from ..model import NOISE_MODES
 from ..options import (WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
                        export_choices, positive_ints)
 from ..report.baselines import baseline_paths, prepare_baselines
-from ..report.bench import DEFAULT_PAST, deployed_backend, run_bench
+from ..report.bench import DEFAULT_PAST, deployed_backend, run_agreement, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, export_labels, level2_as_advice, print_summary, write_report
 from ..report.small_model import small_model_speed
@@ -290,6 +290,11 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
         sampled = run_bench(torch_model, [m for m in models if m.noise == "sampled"], batches=(1,), seqs=(1,),
                             **common)
         bench_section = {**quantile, "results": quantile["results"] + sampled["results"]}
+        if deployed_backend(kernel) in backends:
+            advance("run's speed beside the table")
+            bench_section["run_agreement"] = run_agreement(
+                torch_model, [m for m in models if m.noise == "quantile"], bench_section,
+                backend=deployed_backend(kernel), threads=threads)
         return "ok", None
 
     def memory(advance):

@@ -90,8 +90,10 @@ def engine_runner(engines: Path, k: Optional[int]):
 @click.option("--no-kernel", is_flag=True, help="Run ContinuousSliceFFN on the fallback function.")
 @click.option("--engines", type=click.Path(path_type=Path), default=None,
               help="Run a TensorRT engine from this folder (`infmoe-export trt`) instead; --k picks the engine.")
+@click.option("--timings", is_flag=True,
+              help="Print the prefill's time and the decode steps' median ms/token (95% interval) to stderr.")
 def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_size, prompt, max_new_tokens, greedy,
-                temperature, top_k, seed, no_kernel, engines):
+                temperature, top_k, seed, no_kernel, engines, timings):
     """Generate text from an ONNX model in onnxruntime (or a TensorRT engine), streaming it as it comes.
     Without --model, the checkpoint exported as --for and --dtype say (default: onnxruntime, fp32),
     once, into a cache."""
@@ -130,7 +132,23 @@ def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_
         out.flush()
 
     out.write(decoder.decode(prompt_ids))
+    seconds = [] if timings else None
     generate(runner, prompt_ids, max_new_tokens, greedy=not sampling, temperature=temperature, top_k=top_k,
-             seed=seed, on_token=emit)
+             seed=seed, on_token=emit, timings=seconds)
     out.write(decoder.decode(b"", final=True) + "\n")
     out.flush()
+    if timings:
+        click.echo(timing_line(len(prompt_ids), seconds), err=True)
+
+
+def timing_line(prompt_tokens: int, seconds: list) -> str:
+    """What --timings prints: the prefill of the prompt, then the decode steps' median and its 95%
+    interval (report.timing.latency_summary, as `bench` reports a decode step)."""
+    from ..report.timing import latency_summary
+
+    line = f"prefill: {prompt_tokens} tokens in {seconds[0] * 1e3:.2f} ms"
+    if len(seconds) < 2:
+        return line + "; decode: no step"
+    decode = latency_summary(seconds[1:])
+    return (line + f"; decode: {len(seconds) - 1} steps, median {decode['median']:.3f} ms/token "
+            f"[{decode['ci_low']:.3f}, {decode['ci_high']:.3f}], {1e3 / decode['median']:.1f} tokens/s")

@@ -3,7 +3,8 @@ precision × K × batch × sequence length, on real text (the stdlib validation 
 
 seq 1 is one decode step with a KV cache of --past tokens (the cache comes from a prefill of
 real text, outside the timed calls); seq > 1 is a prefill from an empty cache. Each timed call
-is one runner.infer (Polygraphy, input checks off). Every runner of one (batch, seq) shape is
+is the call `run` makes (timed_call): a step of the runner's shared KV cache where it has one,
+else one runner.infer (Polygraphy, input checks off). Every runner of one (batch, seq) shape is
 timed in the same interleaved loop (timing.interleaved), so their figures are comparable.
 """
 
@@ -20,8 +21,10 @@ from ..runtimes import registry
 from .timing import REL_CI, interleaved, latency_summary, stable
 
 DEFAULT_PAST = 128
-LATENCY_NOTE = ("Latency: wall time of one runner.infer call (time.perf_counter); median with its 95% "
-                "distribution-free interval, every configuration of a shape timed in one interleaved loop. "
+LATENCY_NOTE = ("Latency: wall time of one call as `run` makes it (time.perf_counter): on a model with a shared "
+                "KV cache (the onnxruntime target, on the CPU) one step of that cache in place, a prefill's LM head "
+                "on its last position; else one runner.infer call. Median with its 95% distribution-free interval, "
+                "every configuration of a shape timed in one interleaved loop. "
                 "≈: within noise of the previous K (the intervals overlap).")
 NO_PAST = "the model has no KV-cache inputs (exported with --no-past)"
 FLOAT_TORCH = ("fp32", "fp16")  # PyTorch runs float weights: a quantized model's reference is no deployment
@@ -64,6 +67,27 @@ def timed_feed(runner, model: ExportedModel, batch: int, seq: int, past: int):
     return model.feed(ids[:, past:], past=cache)
 
 
+def timed_call(runner, model: ExportedModel, batch: int, seq: int, past: int):
+    """One timed call, as `run` makes it (runtimes/generate.py): with the runner's shared KV cache
+    where it offers one, a decode step after `past` cached tokens of real text (prefilled here,
+    untimed) or a prefill of seq tokens from an empty cache, its LM head on the last position;
+    else runner.infer on timed_feed's feed."""
+    shared = getattr(runner, "shared_cache", None)
+    cache = shared(batch) if shared is not None else None
+    if cache is None:
+        feed = timed_feed(runner, model, batch, seq, past)
+        return lambda: runner.infer(feed, check_inputs=False)
+    start = past if seq == 1 else 0
+    ids = text_tokens(batch * (start + seq)).reshape(batch, start + seq)
+    if start:
+        cache.step(ids[:, :start], last_only=True)
+
+    def call():
+        cache.length = start
+        return cache.step(ids[:, start:], last_only=True)
+    return call
+
+
 def blank_row(backend: str, model: ExportedModel, batch: int, seq: int, past: int, baseline=None) -> dict:
     return {"backend": backend, "k": model.k, "noise": model.noise, "dtype": model.io.dtype, "baseline": baseline,
             "batch": batch, "seq": seq, "past": past if seq == 1 else 0, "phase": "decode" if seq == 1 else "prefill",
@@ -94,8 +118,7 @@ def measure(runner, model: ExportedModel, batch: int, seq: int, past: int, warmu
     row = blank_row(runner.name, model, batch, seq, past)
     if seq == 1 and not model.io.past:
         return {**row, "reason": NO_PAST}
-    feed = timed_feed(runner, model, batch, seq, past)
-    samples, = interleaved([lambda: runner.infer(feed, check_inputs=False)], warmup=warmup, max_iters=iters,
+    samples, = interleaved([timed_call(runner, model, batch, seq, past)], warmup=warmup, max_iters=iters,
                            budget_s=budget_s or math.inf)
     return finished(row, samples, REL_CI)
 
@@ -152,9 +175,8 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
                 if seq == 1 and not model.io.past:
                     results[key]["reason"] = NO_PAST
                     continue
-                feed = timed_feed(runner, model, batch, seq, past)
                 keys.append(key)
-                calls.append(lambda runner=runner, feed=feed: runner.infer(feed, check_inputs=False))
+                calls.append(timed_call(runner, model, batch, seq, past))
             if calls:
                 samples = interleaved(calls, warmup=warmup, max_iters=iters, budget_s=budget_s * len(calls),
                                       rel_ci=rel_ci)
@@ -163,3 +185,35 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
     settings = {"warmup": warmup, "iters": iters, "budget_s": budget_s, "rel_ci": rel_ci, "decode_past": past,
                 "latency": LATENCY_NOTE}
     return {"settings": settings, "results": list(results.values())}
+
+
+RUN_STEPS = 32  # decode steps of the generation each latency row is checked against
+
+
+def run_agreement(torch_model, models: List[ExportedModel], bench: dict, *, backend: str,
+                  threads: Optional[int] = None, steps: int = RUN_STEPS) -> List[dict]:
+    """Whether `run` sees the speed the latency table shows: per model, a generation as `run`
+    makes it (runtimes/generate.py, greedy, on `backend`) of `steps` tokens after a prompt of real
+    text, its steps' pasts centred on the table's decode past; its decode steps' median and 95%
+    interval beside the table's batch-1 decode row, agreeing when the intervals overlap."""
+    from ..runtimes.generate import generate
+    from .timing import within_noise
+
+    past = bench["settings"]["decode_past"]
+    rows = {(r["backend"], r["k"], r["noise"], r["dtype"]): r for r in bench["results"]
+            if r["status"] == "ok" and not r["baseline"] and r["phase"] == "decode" and r["batch"] == 1}
+    out = []
+    for model in models:
+        row = rows.get((backend, model.k, model.noise, model.io.dtype))
+        if row is None or not model.io.past:
+            continue
+        prompt = text_tokens(max(past - steps // 2, 1))
+        steps_run = min(steps, model.io.config.n_positions - len(prompt))
+        seconds = []
+        with registry.make_runner(backend, model, torch_model, None, threads) as runner:
+            generate(runner, prompt, steps_run + 1, timings=seconds)
+        measured = latency_summary(seconds[1:])
+        out.append({"backend": backend, "k": model.k, "noise": model.noise, "dtype": model.io.dtype,
+                    "steps": len(seconds) - 1, "past_from": len(prompt), "bench_ms": row["latency_ms"],
+                    "run_ms": measured, "agrees": within_noise(row["latency_ms"], measured)})
+    return out

@@ -347,6 +347,30 @@ def latency_tables(report: dict) -> List[Section]:
     return out
 
 
+def agreement_table(report: dict) -> Optional[Table]:
+    """`run`'s decode speed beside the latency table's, per model (pipeline)."""
+    rows = report["bench"].get("run_agreement") if report["bench"] else None
+    if not rows:
+        return None
+    return Table("Does `run` see this speed?", ["backend", "precision", "K", "table: decode ms [95% CI]",
+                                                "run: decode ms [95% CI]", "steps", "agrees"],
+                 [[r["backend"], exported(report, r["dtype"]), str(r["k"]), interval(r["bench_ms"]),
+                   interval(r["run_ms"]), f"{r['steps']} from past {r['past_from']}", "yes" if r["agrees"] else "no"]
+                  for r in rows], [not r["agrees"] for r in rows],
+                 "run: a greedy generation as `infmoe-export run` makes it, timed step by step (`run --timings` "
+                 "prints the same); agrees: the two intervals of the median overlap. The table's sessions take "
+                 "turns, their threads resting between calls; `run`'s one session keeps its threads spinning, so on a "
+                 "model this small its steps can be faster than the table's by the threads' wake-up.")
+
+
+def agreement_line(report: dict) -> Optional[str]:
+    rows = report["bench"].get("run_agreement") if report["bench"] else None
+    if not rows:
+        return None
+    agree = sum(r["agrees"] for r in rows)
+    return f"run's decode speed agrees with the latency table (95% intervals overlap) for {agree} of {len(rows)} models"
+
+
 def run_section(report: dict) -> Section:
     c = report["model"]["config"]
     moe = c.get("model_type") == "moe-gpt2"  # a conventional MoE: experts and top_k in place of r and K
@@ -478,6 +502,9 @@ def sections(report: dict) -> List[Section]:
         out += parity_tables(report)
     if report["bench"]:
         out += latency_tables(report)
+        agreement = agreement_table(report)
+        if agreement:
+            out.append(Section("`run` beside the latency table", [agreement], False, [agreement_line(report)]))
     out.append(run_section(report))
     return out
 
@@ -645,6 +672,8 @@ def print_summary(console, report: dict) -> None:
         console.print(rich_table(tradeoff_table(report)))
     if report["memory"]:
         console.print(rich_table(memory_table(report)))
+    if agreement_line(report):
+        console.print(escape(agreement_line(report)))
     if report["small_model"]:
         section = small_model_section(report)
         console.print(rich_table(section.tables[0]._replace(title=f"{section.title}: {section.tables[0].title}")))

@@ -10,6 +10,7 @@ incremental UTF-8 decoder, so a character split over tokens prints when it is co
 """
 
 import contextlib
+import time
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -22,9 +23,10 @@ BYTE_VOCAB = 256
 
 def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, greedy: bool = True,
              temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0,
-             on_token: Optional[Callable[[int], None]] = None) -> List[int]:
+             on_token: Optional[Callable[[int], None]] = None, timings: Optional[List[float]] = None) -> List[int]:
     """New token ids after prompt_ids. runner has .io (a DecoderIO) and Polygraphy's infer();
-    the seed drives both sampling and, for sampled-noise models, expert_noise."""
+    the seed drives both sampling and, for sampled-noise models, expert_noise. timings, when
+    given, gets the seconds of each model call appended: the prompt's prefill, then one per step."""
     decoder_io = runner.io
     prompt_ids = [int(i) for i in prompt_ids]
     check_request(decoder_io, prompt_ids, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k)
@@ -39,11 +41,14 @@ def generate(runner, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, gre
             noise = None
             if decoder_io.noise == "sampled":
                 noise = torch.randn(1, len(step_ids), decoder_io.k, generator=generator).numpy()
+            started = time.perf_counter()
             if cache is not None:
                 outputs = cache.step(np.array([step_ids]), noise, last_only=True)
             else:
                 feed = decoder_io.feed(np.array([step_ids]), np.ones((1, len(ids)), np.int64), past, noise)
                 outputs = runner.infer(feed, check_inputs=False)
+            if timings is not None:
+                timings.append(time.perf_counter() - started)
             token = _pick(outputs["logits"][0, -1, :BYTE_VOCAB], greedy, temperature, top_k, generator)
             ids.append(token)
             new.append(token)
