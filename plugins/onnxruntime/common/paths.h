@@ -20,8 +20,9 @@ namespace {
 enum class Path { kInteger, kGemv, kBatched, kPrefill };
 constexpr const char* kPathNames[] = {"integer", "gemv", "batched", "prefill"};
 
-// The token counts timed; a call takes the path chosen at the largest one not above its count.
-constexpr int64_t kPathGrid[] = {1, 2, 4, 8, 16, 32, 64, 128};
+// The token counts timed (each of the few a decode batch most often has, then doubling); a call
+// takes the path chosen at the largest one not above its count.
+constexpr int64_t kPathGrid[] = {1, 2, 3, 4, 8, 16, 32, 64, 128};
 constexpr int kPathGridSize = sizeof kPathGrid / sizeof kPathGrid[0];
 
 // The calibration's activations stay within this many values (a wide matrix is timed at fewer
