@@ -5,9 +5,9 @@
 // nibble and 16 g + 2 j + 1 in its high one. Zero-extended to 8 dwords (one vpmovzxbd), the low
 // nibbles are one mask away and the high ones one shift: slot 2 g holds the group's even columns,
 // slot 2 g + 1 its odd ones, and x and the partial outputs are laid out the same way. Per 16
-// weights of a dot: widen, mask, shift, two subtractions of 8, two conversions and two FMAs (an
-// update of the partial output, 4 rows a pass, subtracts 8 once per block instead); the natural
-// layout's interleave (one column a byte, in order) cost a shuffle and a sign extension per 8.
+// weights: widen, mask, shift, two conversions and two FMAs, the stored nibbles u = q + 8 taken as
+// they are and the 8 accounted for once per block; the natural layout's interleave (one column a
+// byte, in order) cost a shuffle and a sign extension per 8.
 template <typename T>
 struct NibbleRows {
   static constexpr int kWidth = 8;
@@ -33,19 +33,11 @@ struct NibbleRows {
     }
     return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
   }
-  // The group's even (low nibbles) and odd (high nibbles) columns' q, as floats.
+  // The group's even (low nibbles) and odd (high nibbles) columns' stored nibbles u = q + 8, as floats.
   static Lanes<8> Even(__m256i u) {
-    return reinterpret_cast<Lanes<8>>(
-        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(u, _mm256_set1_epi32(15)), _mm256_set1_epi32(8))));
-  }
-  static Lanes<8> Odd(__m256i u) {
-    return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(u, 4), _mm256_set1_epi32(8))));
-  }
-  // The same as the stored nibbles u = q + 8.
-  static Lanes<8> EvenStored(__m256i u) {
     return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15))));
   }
-  static Lanes<8> OddStored(__m256i u) { return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4))); }
+  static Lanes<8> Odd(__m256i u) { return reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4))); }
 };
 
 template <typename T>
@@ -61,23 +53,30 @@ struct DecodeLayout<NibbleRows<T>> {
   static constexpr bool kIntegerDot = false;
 };
 
-// q . x per block, then one FMA by the block's scale, blocks alternating between two chains (as
-// Dot over the natural layout). x in this layout; the natural loop's full and tail are not used.
+// dots[i] = row lo + i . x for i < rows, x in this layout (the natural loop's full and tail are
+// not used). Per block, u . x over the stored nibbles u = q + 8, less 8 times the block's sum of
+// x (made once per call, lane by lane), then one FMA by the block's scale, blocks alternating
+// between two chains (as Dot over the natural layout).
 template <typename T>
-inline float Dot(const NibbleRows<T>& w, int64_t i, const Lanes<8>* x, int64_t, int64_t) {
-  const auto row = w.At(i);
-  Lanes<8> even = {}, odd = {};
-  for (int64_t g = 0, b = 0; g < w.groups; ++b) {
-    const int64_t end = std::min(g + w.groups_per_block, w.groups);
-    Lanes<8> p = {}, p_odd = {};
-    for (; g < end; ++g) {
-      const __m256i u = w.Group(row, g);
-      p += NibbleRows<T>::Even(u) * x[2 * g];
-      p_odd += NibbleRows<T>::Odd(u) * x[2 * g + 1];
+void DotChunk(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* x, int64_t, int64_t, float* dots) {
+  thread_local std::vector<Lanes<8>> eights;  // per block: 8 times its x, summed lane by lane
+  eights.assign(w.w.blocks, Lanes<8>{});
+  for (int64_t g = 0; g < w.groups; ++g) eights[g / w.groups_per_block] += 8.0f * (x[2 * g] + x[2 * g + 1]);
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto row = w.At(lo + i);
+    Lanes<8> even = {}, odd = {};
+    for (int64_t g = 0, b = 0; g < w.groups; ++b) {
+      const int64_t end = std::min(g + w.groups_per_block, w.groups);
+      Lanes<8> p = -eights[b], p_odd = {};
+      for (; g < end; ++g) {
+        const __m256i u = w.Group(row, g);
+        p += NibbleRows<T>::Even(u) * x[2 * g];
+        p_odd += NibbleRows<T>::Odd(u) * x[2 * g + 1];
+      }
+      (b & 1 ? odd : even) += (p + p_odd) * ToFloat(row.scale[b]);
     }
-    (b & 1 ? odd : even) += (p + p_odd) * ToFloat(row.scale[b]);
+    dots[i] = SumLanes<8>(even + odd);
   }
-  return SumLanes<8>(even + odd);
 }
 
 // out += h[r stride] * row i + r stride for r < Rows, in one pass over out; out in this layout.
@@ -95,8 +94,8 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
       Lanes<8> even = out[2 * g] - offset, odd = out[2 * g + 1] - offset;
       for (int r = 0; r < Rows; ++r) {
         const __m256i u = w.Group(row[r], g);
-        even += c[r] * NibbleRows<T>::EvenStored(u);
-        odd += c[r] * NibbleRows<T>::OddStored(u);
+        even += c[r] * NibbleRows<T>::Even(u);
+        odd += c[r] * NibbleRows<T>::Odd(u);
       }
       out[2 * g] = even, out[2 * g + 1] = odd;
     }
@@ -137,7 +136,7 @@ struct RowsAxpy<NibbleRows<T>> {
         }
         for (int64_t j = 0; j < rows; ++j) {
           const __m256i u = w.Group(w.At(lo + j), g);
-          const Lanes<8> e = NibbleRows<T>::EvenStored(u), o = NibbleRows<T>::OddStored(u);
+          const Lanes<8> e = NibbleRows<T>::Even(u), o = NibbleRows<T>::Odd(u);
 #pragma GCC unroll 8
           for (int t = 0; t < Tt; ++t) {
             const float c = factor[j * Tt + t];
