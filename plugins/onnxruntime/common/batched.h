@@ -16,7 +16,7 @@ namespace {
 
 constexpr int kBatchLanes = kWide;
 // Register blocks of the dot kernel: kDotTokens x kDotRows accumulators plus the loads (16
-// registers on AVX2, 32 on AVX-512); the axpy kernel keeps kAxpyTokens outputs in registers.
+// registers on AVX2, 32 on AVX-512); the axpy kernel keeps kAxpyTokens x 2 registers of outputs.
 constexpr int kDotTokens = kBatchLanes == 16 ? 4 : 3;
 constexpr int kDotRows = 4;
 constexpr int kAxpyTokens = kBatchLanes == 16 ? 12 : 6;
@@ -80,22 +80,38 @@ void DotBlock(const float* const* x, const float* w, int64_t ldw, int64_t depth,
     for (int j = 0; j < Jr; ++j) dots[t * ldd + j] = SumLanes<W>(acc[t][j]);
 }
 
-// out[t][c] += sum over j < rows of h[t ldh + j] w row j [c], for Tt tokens and every c < depth.
+// out[t][c] += sum over j < rows of h[t ldh + j] w row j [c], for Tt tokens and every c < depth:
+// Cols registers of columns at a time, so each broadcast factor serves Cols FMAs.
+template <int Tt, int Cols>
+void AxpyColumns(const float* h, int64_t ldh, const float* w, int64_t ldw, int64_t rows, int64_t c, float* const* out) {
+  constexpr int W = kBatchLanes;
+  Lanes<W> acc[Tt][Cols];
+#pragma GCC unroll 16
+  for (int t = 0; t < Tt; ++t)
+#pragma GCC unroll 2
+    for (int k = 0; k < Cols; ++k) acc[t][k] = ToLanes<W>(out[t] + c + k * W);
+  for (int64_t j = 0; j < rows; ++j) {
+    Lanes<W> b[Cols];
+#pragma GCC unroll 2
+    for (int k = 0; k < Cols; ++k) b[k] = ToLanes<W>(w + j * ldw + c + k * W);
+#pragma GCC unroll 16
+    for (int t = 0; t < Tt; ++t) {
+      const float factor = h[t * ldh + j];
+#pragma GCC unroll 2
+      for (int k = 0; k < Cols; ++k) acc[t][k] += factor * b[k];
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < Tt; ++t)
+#pragma GCC unroll 2
+    for (int k = 0; k < Cols; ++k) std::memcpy(out[t] + c + k * W, &acc[t][k], sizeof acc[t][k]);
+}
 template <int Tt>
 void AxpyBlock(const float* h, int64_t ldh, const float* w, int64_t ldw, int64_t rows, int64_t depth, float* const* out) {
   constexpr int W = kBatchLanes;
-  for (int64_t c = 0; c < depth; c += W) {
-    Lanes<W> acc[Tt];
-#pragma GCC unroll 16
-    for (int t = 0; t < Tt; ++t) acc[t] = ToLanes<W>(out[t] + c);
-    for (int64_t j = 0; j < rows; ++j) {
-      const Lanes<W> b = ToLanes<W>(w + j * ldw + c);
-#pragma GCC unroll 16
-      for (int t = 0; t < Tt; ++t) acc[t] += h[t * ldh + j] * b;
-    }
-#pragma GCC unroll 16
-    for (int t = 0; t < Tt; ++t) std::memcpy(out[t] + c, &acc[t], sizeof acc[t]);
-  }
+  int64_t c = 0;
+  for (; c + 2 * W <= depth; c += 2 * W) AxpyColumns<Tt, 2>(h, ldh, w, ldw, rows, c, out);
+  if (c < depth) AxpyColumns<Tt, 1>(h, ldh, w, ldw, rows, c, out);
 }
 
 // The kernels for every block size up to the largest, indexed by size - 1 (the last, partial
