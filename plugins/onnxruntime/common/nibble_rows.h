@@ -53,30 +53,66 @@ struct DecodeLayout<NibbleRows<T>> {
   static constexpr bool kIntegerDot = false;
 };
 
-// dots[i] = row lo + i . x for i < rows, x in this layout (the natural loop's full and tail are
-// not used). Per block, u . x over the stored nibbles u = q + 8, less 8 times the block's sum of
-// x (made once per call, lane by lane), then one FMA by the block's scale, blocks alternating
-// between two chains (as Dot over the natural layout).
-template <typename T>
-void DotChunk(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* x, int64_t, int64_t, float* dots) {
-  thread_local std::vector<Lanes<8>> eights;  // per block: 8 times its x, summed lane by lane
-  eights.assign(w.w.blocks, Lanes<8>{});
-  for (int64_t g = 0; g < w.groups; ++g) eights[g / w.groups_per_block] += 8.0f * (x[2 * g] + x[2 * g + 1]);
+// dots[t ldd + i] = row lo + i . token t's x for i < rows, t < Tt; x: Tt tokens in this layout,
+// `units` slots apart; eights [Tt][blocks]: 8 times each block's x, summed lane by lane. Per block,
+// u . x over the stored nibbles u = q + 8 (converted once for all Tt tokens), less the block's
+// eights, then one FMA by the block's scale, blocks alternating between two chains (as Dot over the
+// natural layout). A token's sums are the same for any Tt.
+template <int Tt, typename T>
+void DotTokens(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* x, int64_t units,
+               const Lanes<8>* eights, float* dots, int64_t ldd) {
+  const int64_t blocks = w.w.blocks;
   for (int64_t i = 0; i < rows; ++i) {
     const auto row = w.At(lo + i);
-    Lanes<8> even = {}, odd = {};
+    Lanes<8> even[Tt] = {}, odd[Tt] = {};
     for (int64_t g = 0, b = 0; g < w.groups; ++b) {
       const int64_t end = std::min(g + w.groups_per_block, w.groups);
-      Lanes<8> p = -eights[b], p_odd = {};
+      Lanes<8> p[Tt], p_odd[Tt];
+#pragma GCC unroll 4
+      for (int t = 0; t < Tt; ++t) p[t] = -eights[t * blocks + b], p_odd[t] = Lanes<8>{};
       for (; g < end; ++g) {
         const __m256i u = w.Group(row, g);
-        p += NibbleRows<T>::Even(u) * x[2 * g];
-        p_odd += NibbleRows<T>::Odd(u) * x[2 * g + 1];
+        const Lanes<8> e = NibbleRows<T>::Even(u), o = NibbleRows<T>::Odd(u);
+#pragma GCC unroll 4
+        for (int t = 0; t < Tt; ++t) p[t] += e * x[t * units + 2 * g], p_odd[t] += o * x[t * units + 2 * g + 1];
       }
-      (b & 1 ? odd : even) += (p + p_odd) * ToFloat(row.scale[b]);
+      const float scale = ToFloat(row.scale[b]);
+#pragma GCC unroll 4
+      for (int t = 0; t < Tt; ++t) (b & 1 ? odd[t] : even[t]) += (p[t] + p_odd[t]) * scale;
     }
-    dots[i] = SumLanes<8>(even + odd);
+#pragma GCC unroll 4
+    for (int t = 0; t < Tt; ++t) dots[t * ldd + i] = SumLanes<8>(even[t] + odd[t]);
   }
+}
+
+// dots[t ldd + i] = row lo + i . token t's x for i < rows, t < tokens (x `units` slots apart):
+// up to 3 tokens a pass over the rows.
+template <typename T>
+void DotChunks(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* x, int64_t tokens, int64_t units,
+               int64_t, int64_t, float* dots, int64_t ldd) {
+  constexpr int kTokens = 3;  // per token 4 registers of sums beside the row's 2 conversions
+  thread_local std::vector<Lanes<8>> eights;
+  const int64_t blocks = w.w.blocks;
+  eights.assign(tokens * blocks, Lanes<8>{});
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < w.groups; ++g)
+      eights[t * blocks + g / w.groups_per_block] += 8.0f * (x[t * units + 2 * g] + x[t * units + 2 * g + 1]);
+  for (int64_t t = 0; t < tokens; t += kTokens) {
+    const Lanes<8>* xt = x + t * units;
+    const Lanes<8>* et = eights.data() + t * blocks;
+    switch (std::min<int64_t>(kTokens, tokens - t)) {
+      case 1: DotTokens<1>(w, lo, rows, xt, units, et, dots + t * ldd, ldd); break;
+      case 2: DotTokens<2>(w, lo, rows, xt, units, et, dots + t * ldd, ldd); break;
+      default: DotTokens<3>(w, lo, rows, xt, units, et, dots + t * ldd, ldd); break;
+    }
+  }
+}
+
+// dots[i] = row lo + i . x for i < rows, x in this layout (the natural loop's full and tail are
+// not used).
+template <typename T>
+void DotChunk(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* x, int64_t, int64_t, float* dots) {
+  DotChunks(w, lo, rows, x, 1, 0, 0, 0, dots, rows);
 }
 
 // out += h[r stride] * row i + r stride for r < Rows, in one pass over out; out in this layout.

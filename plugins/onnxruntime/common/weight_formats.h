@@ -312,6 +312,13 @@ void DotChunk(const Rows& w, int64_t lo, int64_t rows, const Lanes<Rows::kWidth>
   for (int64_t i = 0; i < run; ++i) DotRows<kRows>(w, lo + i, run, x, full, tail, dots + i);
   for (int64_t i = kRows * run; i < rows; ++i) DotRows<1>(w, lo + i, 0, x, full, tail, dots + i);
 }
+// dots[t ldd + i] = row lo + i . token t's x for i < rows, t < tokens, the tokens' x `units` slots
+// apart: token by token (int4 rows on AVX2: several tokens a pass, common/nibble_rows.h).
+template <class Rows>
+void DotChunks(const Rows& w, int64_t lo, int64_t rows, const Lanes<Rows::kWidth>* x, int64_t tokens, int64_t units,
+               int64_t full, int64_t tail, float* dots, int64_t ldd) {
+  for (int64_t t = 0; t < tokens; ++t) DotChunk(w, lo, rows, x + t * units, full, tail, dots + t * ldd);
+}
 
 // Rows [lo, hi) as floats, d apart: the float data itself, or converted into scratch.
 inline const float* Rows(const FloatRows<float>& w, int64_t lo, int64_t, RowMatrix&) { return w.w + lo * w.d; }

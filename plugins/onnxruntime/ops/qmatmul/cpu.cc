@@ -32,11 +32,11 @@ void DecodeMatMul(const MatMulSizes& s, const T* x, const Format& format, T* y, 
       std::min(kChunkBytes / format.RowBytes(), (s.n + kMatMulItems - 1) / kMatMulItems), 1, kMaxChunkRows);
   parallel_for(static_cast<size_t>((s.n + rows - 1) / rows), [&](size_t item) {
     const int64_t lo = static_cast<int64_t>(item) * rows, hi = std::min(lo + rows, s.n);
-    float dots[kMaxChunkRows];
-    for (int64_t t = 0; t < s.tokens; ++t) {
-      DotChunk(w, lo, hi - lo, xs.data() + t * units, s.k / W, s.k % W, dots);
-      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[j - lo], y + t * s.n + j);
-    }
+    thread_local std::vector<float> dots;
+    dots.resize(s.tokens * rows);
+    DotChunks(w, lo, hi - lo, xs.data(), s.tokens, units, s.k / W, s.k % W, dots.data(), rows);
+    for (int64_t t = 0; t < s.tokens; ++t)
+      for (int64_t j = lo; j < hi; ++j) FromFloat(dots[t * rows + j - lo], y + t * s.n + j);
   });
 }
 
