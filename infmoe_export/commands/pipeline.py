@@ -290,11 +290,12 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
         sampled = run_bench(torch_model, [m for m in models if m.noise == "sampled"], batches=(1,), seqs=(1,),
                             **common)
         bench_section = {**quantile, "results": quantile["results"] + sampled["results"]}
-        if deployed_backend(kernel) in backends:
+        deployed = deployed_backend(kernel)
+        if deployed in backends:
             advance("run's speed beside the table")
             bench_section["run_agreement"] = run_agreement(
-                torch_model, [m for m in models if m.noise == "quantile"], bench_section,
-                backend=deployed_backend(kernel), threads=threads)
+                torch_model, [m for m in models if m.noise == "quantile"], bench_section, backend=deployed,
+                threads=threads)
         return "ok", None
 
     def memory(advance):

@@ -673,8 +673,9 @@ def print_summary(console, report: dict) -> None:
         console.print(rich_table(tradeoff_table(report)))
     if report["memory"]:
         console.print(rich_table(memory_table(report)))
-    if agreement_line(report):
-        console.print(escape(agreement_line(report)))
+    agreement = agreement_line(report)
+    if agreement:
+        console.print(escape(agreement))
     if report["small_model"]:
         section = small_model_section(report)
         console.print(rich_table(section.tables[0]._replace(title=f"{section.title}: {section.tables[0].title}")))

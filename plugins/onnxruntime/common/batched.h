@@ -122,12 +122,7 @@ constexpr std::array<DotFn, sizeof...(I)> DotTable(std::index_sequence<I...>) {
   return {&DotBlock<static_cast<int>(I / kDotRows) + 1, static_cast<int>(I % kDotRows) + 1>...};
 }
 constexpr auto kDotBlocks = DotTable(std::make_index_sequence<kDotTokens * kDotRows>());
-using AxpyFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float* const*);
-template <size_t... I>
-constexpr std::array<AxpyFn, sizeof...(I)> AxpyTable(std::index_sequence<I...>) {
-  return {&AxpyBlock<static_cast<int>(I) + 1>...};
-}
-constexpr auto kAxpyBlocks = AxpyTable(std::make_index_sequence<kAxpyTokens>());
+constexpr auto kAxpyBlocks = CountTable<kAxpyTokens>([](auto n) { return &AxpyBlock<decltype(n)::value>; });
 
 // dots[t ldd + j] = x[t] . w row j for t < tokens, j < rows (x[t] and the rows zero-padded to
 // depth, a multiple of the lanes).

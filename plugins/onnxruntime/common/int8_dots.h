@@ -252,17 +252,11 @@ void TileScales(const T* const* scale, int64_t blocks, float* scales) {
     for (int l = 0; l < 8; ++l) scales[b * 8 + l] = ToFloat(scale[l][b]);
 }
 
-template <size_t... I>
-constexpr auto TileDotTable(std::index_sequence<I...>) {
-  using Fn = void (*)(const QuantizedTokens&, const int64_t*, const uint8_t*, const float*, int64_t, float*);
-  return std::array<Fn, sizeof...(I)>{&TileDots<static_cast<int>(I) + 1>...};
-}
-
 // IntDots of int4 rows: tile by tile, its groups transposed once for all the tokens.
 template <typename T>
 void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<4, T>& w,
                    int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kDots = TileDotTable(std::make_index_sequence<kInt4TileTokens>());
+  static constexpr auto kDots = CountTable<kInt4TileTokens>([](auto n) { return &TileDots<decltype(n)::value>; });
   thread_local std::vector<uint8_t> steps;
   thread_local std::vector<float> scales;
   steps.resize(x.groups * 256);
@@ -360,17 +354,11 @@ void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* q, con
   }
 }
 
-template <size_t... I>
-constexpr auto RowDotTable(std::index_sequence<I...>) {
-  using Fn = void (*)(const QuantizedTokens&, const int64_t*, const uint8_t*, const float*, float*);
-  return std::array<Fn, sizeof...(I)>{&RowDots<static_cast<int>(I) + 1>...};
-}
-
 // IntDots of int4 rows, row by row (RowDots).
 template <typename T>
 void RowInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<4, T>& w,
                  int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kDots = RowDotTable(std::make_index_sequence<kInt4RowTokens>());
+  static constexpr auto kDots = CountTable<kInt4RowTokens>([](auto n) { return &RowDots<decltype(n)::value>; });
   thread_local std::vector<float> expanded;
   expanded.assign(x.lanes, 0.0f);
   // Float scales a group each, a whole number of registers of them: read where they are.

@@ -91,6 +91,7 @@ template <typename T>
 void DotChunks(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* x, int64_t tokens, int64_t units,
                int64_t, int64_t, float* dots, int64_t ldd) {
   constexpr int kTokens = 3;  // per token 4 registers of sums beside the row's 2 conversions
+  static constexpr auto kDots = CountTable<kTokens>([](auto n) { return &DotTokens<decltype(n)::value, T>; });
   thread_local std::vector<Lanes<8>> eights;
   const int64_t blocks = w.w.blocks;
   eights.assign(tokens * blocks, Lanes<8>{});
@@ -100,11 +101,7 @@ void DotChunks(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>*
   for (int64_t t = 0; t < tokens; t += kTokens) {
     const Lanes<8>* xt = x + t * units;
     const Lanes<8>* et = eights.data() + t * blocks;
-    switch (std::min<int64_t>(kTokens, tokens - t)) {
-      case 1: DotTokens<1>(w, lo, rows, xt, units, et, dots + t * ldd, ldd); break;
-      case 2: DotTokens<2>(w, lo, rows, xt, units, et, dots + t * ldd, ldd); break;
-      default: DotTokens<3>(w, lo, rows, xt, units, et, dots + t * ldd, ldd); break;
-    }
+    kDots[std::min<int64_t>(kTokens, tokens - t) - 1](w, lo, rows, xt, units, et, dots + t * ldd, ldd);
   }
 }
 
@@ -188,15 +185,9 @@ struct RowsAxpy<NibbleRows<T>> {
     }
   }
 
-  template <size_t... I>
-  static constexpr auto Table(std::index_sequence<I...>) {
-    using Fn = void (*)(const NibbleRows<T>&, int64_t, int64_t, const float*, int64_t, float* const*);
-    return std::array<Fn, sizeof...(I)>{&Block<static_cast<int>(I) + 1>...};
-  }
-
   static void Run(const NibbleRows<T>& w, int64_t lo, int64_t rows, const float* h, int64_t ldh, int64_t tokens,
                   float* const* out) {
-    static constexpr auto kBlocks = Table(std::make_index_sequence<kTokens>());
+    static constexpr auto kBlocks = CountTable<kTokens>([](auto n) { return &Block<decltype(n)::value>; });
     for (int64_t t = 0; t < tokens; t += kTokens)
       kBlocks[std::min<int64_t>(kTokens, tokens - t) - 1](w, lo, rows, h + t * ldh, ldh, out + t);
   }

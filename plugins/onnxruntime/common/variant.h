@@ -11,6 +11,7 @@
 #include <arm_neon.h>
 #endif
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +36,17 @@ namespace {
 using Index = Eigen::Index;
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using Vector = Eigen::VectorXf;
+
+// {make(1), ..., make(N)}, make called with std::integral_constant<int, n>: a kernel's instances
+// for 1 to N tokens (or rows), indexed by the count less one.
+template <class Make, size_t... I>
+constexpr auto CountTable(Make make, std::index_sequence<I...>) {
+  return std::array{make(std::integral_constant<int, static_cast<int>(I) + 1>{})...};
+}
+template <int N, class Make>
+constexpr auto CountTable(Make make) {
+  return CountTable(make, std::make_index_sequence<N>());
+}
 
 }  // namespace
 }  // namespace INFMOE_VARIANT
