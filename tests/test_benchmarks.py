@@ -12,7 +12,7 @@ from benchmarks import record
 from infmoe_export.report.timing import cycling, paired_ratio, rounds, sampled_rounds
 
 SCRIPTS = ["ort", "op", "qop", "decode", "k_latency", "quant_model", "qmatmul", "quant_quality", "peers", "table", "llama",
-           "moe_quality"]
+           "moe_quality", "skip_layer_norm"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -37,6 +37,7 @@ BAD_ARGUMENTS = [
     ("quant_model", ["--rounds", "0"], "--rounds"),
     ("k_latency", ["--iters", "-5"], "--iters"),
     ("quant_quality", ["--windows", "0"], "--windows"),
+    ("skip_layer_norm", ["--rounds", "0"], "--rounds"),
 ]
 
 

@@ -80,9 +80,9 @@ def test_each_target_matches_the_reference(model, exports, target):
 # The onnxruntime target's nodes (docs/guide/export.md, The export choice): every node costs a decode step
 # ~0.3-0.7 µs in onnxruntime, so the graph must not grow back.
 PER_LAYER = {("", "MatMul"): 2, ("infmoe", "DecoderAttention"): 1,
-             ("com.microsoft", "SkipLayerNormalization"): 2, ("infmoe", "WindowStarts"): 1,
+             ("infmoe", "SkipLayerNorm"): 2, ("infmoe", "WindowStarts"): 1,
              ("infmoe", "ContinuousSliceFFN"): 1}
-ONCE = {("infmoe", "StepInputs"): 1, ("", "Gather"): 2, ("com.microsoft", "SkipLayerNormalization"): 1, ("", "MatMul"): 1,
+ONCE = {("infmoe", "StepInputs"): 1, ("", "Gather"): 2, ("infmoe", "SkipLayerNorm"): 1, ("", "MatMul"): 1,
         ("", "Max"): 1, ("", "Neg"): 1, ("", "Reshape"): 1, ("", "Slice"): 1}  # the last four: logits_to_keep
 
 
@@ -99,7 +99,7 @@ def _without_constant_transpose(ops):
 
 def test_the_onnxruntime_target_keeps_its_node_count(exports, tmp_path):
     """7 nodes a layer (the qkv bias inside the attention) and 9 once (StepInputs, the
-    embeddings, their SkipLayerNormalization, the LM head, and the four that slice its input for
+    embeddings, their SkipLayerNorm, the LM head, and the four that slice its input for
     logits_to_keep), as exported and after onnxruntime's optimizations (with the kernel, which
     keeps the expert op one node)."""
     assert sum(_ort_target_ops(CONFIG.n_layer).values()) == 7 * CONFIG.n_layer + 9
@@ -124,7 +124,9 @@ def test_a_cuda_session_leaves_the_cpu_only_ops_to_their_functions(exports, tmp_
     onnxruntime.InferenceSession(str(exports["onnxruntime"].path), options, providers=["CPUExecutionProvider"])
     ops = _ops(tmp_path / "optimized.onnx")
     assert ops[("com.microsoft", "GroupQueryAttention")] == CONFIG.n_layer and ops[("", "Softplus")] == CONFIG.n_layer
+    assert ops[("com.microsoft", "SkipLayerNormalization")] == 2 * CONFIG.n_layer + 1
     assert not ops[("infmoe", "DecoderAttention")] and not ops[("infmoe", "WindowStarts")]
+    assert not ops[("infmoe", "SkipLayerNorm")]
     assert ops[("infmoe", "ContinuousSliceFFN")] == CONFIG.n_layer
 
 

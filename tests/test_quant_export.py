@@ -246,7 +246,7 @@ def test_onnxruntime_target_reads_quantized_matrices_packed(make_model, tmp_path
     assert "DequantizeLinear" not in ops and "MatMulNBits" not in ops
     assert not {"wte.weight", "wte.weight.T"} & {t.name for t in graph.graph.initializer}
     assert {f.name for f in graph.functions} == {"ContinuousSliceFFN", "QContinuousSliceFFN", "QMatMul",
-                                                 "DecoderAttention", "WindowStarts", "StepInputs"}
+                                                 "DecoderAttention", "WindowStarts", "StepInputs", "SkipLayerNorm"}
     assert exported.has_function
     assert validate_onnx(model, exported, kernel=True).passed
     assert validate_onnx(model, exported, kernel=False).passed

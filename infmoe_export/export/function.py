@@ -53,6 +53,7 @@ from ..model import GELU_TANH_C, GELU_TANH_CUBIC
 from ..quant import DEFAULT_BLOCK_SIZE, Q_OP_TYPE, QMATMUL_OP_TYPE
 
 ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE = "DecoderAttention", "WindowStarts", "StepInputs"
+NORM_OP_TYPE = "SkipLayerNorm"
 
 infmoe = values.Opset(DOMAIN, OP_VERSION)
 contrib = values.Opset(MS_DOMAIN, 1)
@@ -187,6 +188,13 @@ def WindowStarts(X, weight, bias, eps, ffn_hidden: int, slice_width: int):
 
 
 @script(infmoe, default_opset=op)
+def SkipLayerNorm(input, skip, gamma, beta, bias, epsilon: float):
+    # onnxruntime's own node, as the target wrote it before (bias may be absent: so it is there).
+    output, _mean, _inv_std, total = contrib.SkipLayerNormalization(input, skip, gamma, beta, bias, epsilon=epsilon)
+    return output, total
+
+
+@script(infmoe, default_opset=op)
 def StepInputs(input_ids, attention_mask):
     # Positions count real tokens only (model.py): the exclusive cumsum of the mask (cumsum - 1
     # clamped at 0 wherever a token is real or a left pad), its last `sequence` columns.
@@ -284,7 +292,7 @@ def QMoE(input, router_probs, fc1_experts_weights, fc1_scales, fc1_experts_bias,
 
 FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QContinuousSliceFFN),
              QMATMUL_OP_TYPE: (QMatMul,), ATTENTION_OP_TYPE: (DecoderAttention,), ROUTER_OP_TYPE: (WindowStarts,),
-             STEP_OP_TYPE: (StepInputs,)}
+             STEP_OP_TYPE: (StepInputs,), NORM_OP_TYPE: (SkipLayerNorm,)}
 # onnxruntime's own ops a conventional MoE's export writes, by op type (com.microsoft domain):
 # their fallback functions (QMoE's dequantizes with an infmoe-domain helper, then calls MoE's).
 MOE_FUNCTIONS = {"MoE": (MoE,), "QMoE": (MoE, DequantizeRows, QMoE)}
@@ -372,6 +380,17 @@ def step_inputs_model(with_function: bool = False):
         ("position_ids", TensorProto.INT64), ("seqlens_k", TensorProto.INT32),
         ("total_sequence_length", TensorProto.INT32), ("attention_bias", TensorProto.FLOAT))]
     node = helper.make_node(STEP_OP_TYPE, names, [o.name for o in outputs], domain=DOMAIN)
+    return _one_node_model(node, inputs, outputs, with_function)
+
+
+def skip_layer_norm_model(epsilon: float, bias: bool = True, with_function: bool = False):
+    """A one-node model of `infmoe::SkipLayerNorm` (inputs input, skip, gamma, beta and, with bias,
+    bias, of free shape; outputs output and input_skip_bias_sum): tests, fuzzing; with_function
+    attaches its fallback (onnxruntime's SkipLayerNormalization)."""
+    names = ["input", "skip", "gamma", "beta"] + (["bias"] if bias else [])
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("output", "input_skip_bias_sum")]
+    node = helper.make_node(NORM_OP_TYPE, names, [o.name for o in outputs], domain=DOMAIN, epsilon=epsilon)
     return _one_node_model(node, inputs, outputs, with_function)
 
 

@@ -43,9 +43,8 @@ from torch import nn
 
 from ..contract import DOMAIN, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, DecoderIO
 from ..errors import InfMoEError
-from .function import ATTENTION_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE
+from .function import ATTENTION_OP_TYPE, NORM_OP_TYPE, ROUTER_OP_TYPE, STEP_OP_TYPE
 
-MS_DOMAIN = "com.microsoft"
 # onnxruntime's GroupQueryAttention kernels (the attention's fallback) refuse other head sizes at run time.
 HEAD_DIM_MULTIPLE = 8
 
@@ -56,12 +55,12 @@ def fits_onnxruntime(config) -> bool:
 
 
 def _skip_layer_norm(x, skip, norm: nn.LayerNorm, bias=None):
-    """(LayerNorm(x + skip + bias), x + skip + bias): onnxruntime's SkipLayerNormalization."""
+    """(LayerNorm(x + skip + bias), x + skip + bias): one infmoe::SkipLayerNorm node (its fallback
+    function is onnxruntime's SkipLayerNormalization)."""
     inputs = (x, skip, norm.weight, norm.bias) + ((bias,) if bias is not None else ())
-    shape = x.shape
-    out, _mean, _inv_std, total = torch.onnx.ops.symbolic_multi_out(
-        f"{MS_DOMAIN}::SkipLayerNormalization", inputs, dict(epsilon=float(norm.eps)),
-        dtypes=(x.dtype,) * 4, shapes=(shape, [*shape[:-1], 1], [*shape[:-1], 1], shape), version=1)
+    out, total = torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::{NORM_OP_TYPE}", inputs, dict(epsilon=float(norm.eps)), dtypes=(x.dtype,) * 2,
+        shapes=(x.shape, x.shape), version=1)
     return out, total
 
 
@@ -187,6 +186,20 @@ def window_starts_reference(x, weight, bias, eps, ffn_hidden: int, slice_width: 
     z = mu_s[..., :1] + np.logaddexp(0.0, mu_s[..., 1:]) * np.asarray(eps, np.float64)
     value = np.minimum(1.0 / (1.0 + np.exp(-z)) * (ffn_hidden - slice_width + 1), ffn_hidden - slice_width)
     return np.floor(value).astype(np.int64), value
+
+
+def skip_layer_norm_reference(input, skip, gamma, beta, bias=None, epsilon: float = 1e-5):
+    """What infmoe::SkipLayerNorm computes (docs/reference/ops/SkipLayerNorm.md), in numpy: (output
+    in float64, input_skip_bias_sum in float32). The sum is float32's (input + skip) + bias, as
+    the kernel adds them (exactly its bits); the LayerNorm of it over the last axis, with the
+    biased variance, in float64."""
+    total = np.asarray(input, np.float32) + np.asarray(skip, np.float32)
+    if bias is not None:
+        total = total + np.asarray(bias, np.float32)
+    s = total.astype(np.float64)
+    centred = s - s.mean(-1, keepdims=True)
+    scale = 1.0 / np.sqrt((centred ** 2).mean(-1, keepdims=True) + epsilon)
+    return centred * scale * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64), total
 
 
 def step_inputs_reference(input_ids, attention_mask):

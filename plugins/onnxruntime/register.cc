@@ -42,7 +42,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     // CPU, since onnxruntime inlines a node's fallback function only when no provider claims
     // the node; left out, the function runs on the GPU (GroupQueryAttention, MatMulNBits).
     if (session_options.GetConfigEntryOrDefault(kCpuOnlyOpsKey, "1") != "0") {
-      for (const auto& ops : {QContinuousSliceFFNOps(int8_activations), QMatMulOps(int8_activations), DecoderAttentionOps(), WindowStartsOps(), StepInputsOps()}) {
+      for (const auto& ops : {QContinuousSliceFFNOps(int8_activations), QMatMulOps(int8_activations), DecoderAttentionOps(), WindowStartsOps(), StepInputsOps(),
+                              SkipLayerNormOps()}) {
         for (OrtCustomOp* op : ops) domain.Add(op);
       }
     }

@@ -51,20 +51,22 @@ inline const std::vector<int64_t>& WithLast(const std::vector<int64_t>& shape, i
   return out;
 }
 
-// A required int64 attribute; missing or of another type is refused.
-inline int64_t RequiredInt(const Ort::ConstKernelInfo& info, const char* name, const char* what) {
+// A required attribute of type T (int64_t or float); missing or of another type is refused.
+template <typename T>
+T RequiredAttribute(const Ort::ConstKernelInfo& info, const char* name, const char* what) {
   try {
-    return info.GetAttribute<int64_t>(name);
+    return info.GetAttribute<T>(name);
   } catch (const Ort::Exception&) {
-    Fail(std::string("attribute '") + name + "' (an int, " + what + ") is required");
+    Fail(std::string("attribute '") + name + "' (" + (std::is_same_v<T, float> ? "a float, " : "an int, ") + what +
+         ") is required");
   }
 }
 
 // The required bits and block_size of the quantized ops (SPEC §6).
 inline infmoe::Quantization QuantizationOf(const Ort::ConstKernelInfo& info) {
-  const int64_t bits = RequiredInt(info, "bits", "4 or 8");
+  const int64_t bits = RequiredAttribute<int64_t>(info, "bits", "4 or 8");
   if (bits != 4 && bits != 8) Fail("bits must be 4 or 8, got " + std::to_string(bits));
-  const int64_t block = RequiredInt(info, "block_size", "a power of two >= 16");
+  const int64_t block = RequiredAttribute<int64_t>(info, "block_size", "a power of two >= 16");
   if (block < 16 || (block & (block - 1)) != 0) Fail("block_size must be a power of two >= 16, got " + std::to_string(block));
   return {bits, block};
 }
@@ -148,6 +150,7 @@ struct Inputs {
 struct OneOutput {
   static constexpr size_t kOutputs = 1;
   static bool Optional(size_t) { return false; }
+  static bool OptionalOutput(size_t) { return false; }
   static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
 };
 
@@ -190,6 +193,9 @@ struct Op : Ort::CustomOpBase<Op<Kernel, Type>, Kernel, true> {
   }
   size_t GetOutputTypeCount() const { return Kernel::kOutputs; }
   ONNXTensorElementDataType GetOutputType(size_t index) const { return Kernel::OutputType(index, Type); }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return Kernel::OptionalOutput(index) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 
  private:
   const char* provider_;
@@ -203,6 +209,7 @@ std::vector<OrtCustomOp*> QContinuousSliceFFNOps(bool int8_activations);
 std::vector<OrtCustomOp*> QMatMulOps(bool int8_activations);
 std::vector<OrtCustomOp*> DecoderAttentionOps();
 std::vector<OrtCustomOp*> WindowStartsOps();
+std::vector<OrtCustomOp*> SkipLayerNormOps();
 std::vector<OrtCustomOp*> StepInputsOps();
 
 }  // namespace ort

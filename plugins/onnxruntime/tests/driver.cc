@@ -10,6 +10,7 @@
 //   starts:  WindowStarts exact, but for starts whose float64 value lies within a hair of an
 //            integer (marked by the writer): those within one;
 //   steps:   StepInputs exact;
+//   norm:    SkipLayerNorm's sum exact, its output within 2e-5 (epsilon 1e-5, as the writer's);
 // and every computation bit-identical with 1 thread and with 3 threads. Built with the CUDA
 // kernel (cross_test.sh cuda), ffn cases also run the CUDA computation on the GPU, within the same
 // tolerances and bit-identical across two runs; no CUDA device is then a failure.
@@ -34,6 +35,7 @@
 #include "ops/continuous_slice_ffn/continuous_slice_ffn.h"
 #include "ops/decoder_attention/decoder_attention.h"
 #include "ops/qmatmul/qmatmul.h"
+#include "ops/skip_layer_norm/skip_layer_norm.h"
 #include "ops/step_inputs/step_inputs.h"
 #include "ops/window_starts/window_starts.h"
 #ifdef INFMOE_DRIVER_CUDA
@@ -451,6 +453,26 @@ Result CheckStepInputs(const Case& c) {
           exact ? "positions, seqlens_k and bias exact" : "WRONG"};
 }
 
+// input skip gamma beta bias | output sum
+Result CheckSkipLayerNorm(const Case& c) {
+  const infmoe::NormSizes s{c.Size(0), c.Size(1)};
+  const bool with_bias = c.Size(2) != 0;
+  const size_t n = static_cast<size_t>(s.rows * s.d);
+  const float *input = c.Get<float>(0, n), *skip = c.Get<float>(1, n), *gamma = c.Get<float>(2, s.d),
+              *beta = c.Get<float>(3, s.d), *bias = with_bias ? c.Get<float>(4, s.d) : nullptr;
+  bool identical;
+  const auto out = RunBoth<float>([&](const infmoe::ParallelFor& parallel_for) {
+    std::vector<float> both = Filled<float>(2 * n);
+    infmoe::SkipLayerNorm(s, input, skip, gamma, beta, bias, 1e-5f, both.data(), both.data() + n, parallel_for);
+    return both;
+  }, &identical);
+  const double err = RelativeError(Doubles(out.data(), n), Doubles(c, 5, static_cast<int64_t>(n)));
+  const bool sum_exact = std::memcmp(out.data() + n, c.Get<float>(6, n), n * sizeof(float)) == 0;
+  return {err <= 2e-5 && sum_exact && identical,
+          Shape({{"rows", s.rows}, {"D", s.d}}) + (with_bias ? " bias" : " no bias"),
+          Format("output err %.1e, ", err) + (sum_exact ? "sum exact, " : "sum WRONG, ") + ThreadsText(identical)};
+}
+
 Result Check(const Case& c) {
   if (c.kind == "ffn") return CheckFfn(c);
   if (c.kind == "refuse") return CheckRefusal(c);
@@ -459,6 +481,7 @@ Result Check(const Case& c) {
   if (c.kind == "attn") return CheckAttention(c);
   if (c.kind == "starts") return CheckWindowStarts(c);
   if (c.kind == "steps") return CheckStepInputs(c);
+  if (c.kind == "norm") return CheckSkipLayerNorm(c);
   throw std::runtime_error(c.name + ": unknown kind '" + c.kind + "'");
 }
 

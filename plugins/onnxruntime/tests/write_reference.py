@@ -26,6 +26,9 @@ Kinds of case (the driver's tolerances are the Python tests'):
            value lies within a hair of an integer may differ by one (tests/test_ort_window_starts.py)
   steps    StepInputs against `ort_target.step_inputs_reference`, exact: left-padded masks,
            decode and prefill, masks of other values than 0 and 1 (tests/test_ort_step_inputs.py)
+  norm     SkipLayerNorm against `ort_target.skip_layer_norm_reference`: the sum exact, the output
+           in float64; with and without bias, D of 1, odd and 768, one row and several work items,
+           a row far from zero (tests/test_ort_skip_layer_norm.py)
 
 Format (little-endian): b"INFMOE02", int64 case count; per case: 32-byte name, 8-byte kind, int64
 count and the kind's sizes (`SIZES` below), int64 count and the arrays in the order of `ARRAYS`,
@@ -41,7 +44,8 @@ import sys
 import numpy as np
 import torch
 
-from infmoe_export.export.ort_target import decoder_attention, step_inputs_reference, window_starts_reference
+from infmoe_export.export.ort_target import (decoder_attention, skip_layer_norm_reference, step_inputs_reference,
+                                             window_starts_reference)
 from infmoe_export.model import continuous_slice_ffn
 from infmoe_export.quant import QuantizedWeight, pack_blocks, q_continuous_slice_ffn, q_matmul, quantize
 
@@ -49,7 +53,7 @@ MAGIC = b"INFMOE02"
 # The driver reads these in this order (documentation; write() takes them as given).
 SIZES = {"ffn": "tokens d h k r", "refuse": "tokens d h k r bad_index", "qffn": "bits block tokens d h k r",
          "qmatmul": "bits block tokens k n", "attn": "batch sequence heads head_dim past total bias_rows shared qkv_bias",
-         "starts": "tokens d k h r eps_per_token", "steps": "batch sequence total"}
+         "starts": "tokens d k h r eps_per_token", "steps": "batch sequence total", "norm": "rows d bias"}
 ARRAYS = {"ffn": "starts x w_in b_in w_out b_out | y y16 (fp16 inputs, computed in float32)",
           "refuse": "starts",
           "qffn": "starts x w_in_q w_in_scale b_in w_out_q w_out_scale b_out | y",
@@ -57,7 +61,8 @@ ARRAYS = {"ffn": "starts x w_in b_in w_out b_out | y y16 (fp16 inputs, computed 
           "attn": "qkv past_key past_value seqlens_k bias qkv_bias | y present_key present_value "
                   "(qkv_bias: read when the size says so; present: what the buffer must hold after the call)",
           "starts": "x weight bias eps | starts near (1: may differ by one)",
-          "steps": "attention_mask | position_ids seqlens_k attention_bias"}
+          "steps": "attention_mask | position_ids seqlens_k attention_bias",
+          "norm": "input skip gamma beta bias (read when the size says so) | output (float64) sum"}
 
 
 def normal(rng, *shape, scale=1.0):
@@ -287,7 +292,29 @@ def step_inputs_cases(rng):
         yield name, "steps", [batch, sequence, total], [mask, positions, seqlens_k, bias]
 
 
-KINDS = [ffn_cases, refusal_cases, qffn_cases, qmatmul_cases, attention_cases, window_starts_cases, step_inputs_cases]
+# ---- SkipLayerNorm ---------------------------------------------------------------------------
+
+EPSILON = 1e-5
+# name, rows, d, bias, offset of the input: D of 1, odd and GPT-2's, one row (decode) and several
+# work items of 16 rows, a row far from zero.
+SKIP_LAYER_NORM = [
+    ("norm_decode", 1, 768, True, 0.0),
+    ("norm_d1", 3, 1, True, 0.0),
+    ("norm_odd_no_bias", 37, 97, False, 0.0),
+    ("norm_far_from_zero", 40, 200, True, 1e3),
+]
+
+
+def skip_layer_norm_cases(rng):
+    for name, rows, d, bias, offset in SKIP_LAYER_NORM:
+        feeds = [normal(rng, rows, d) + np.float32(offset), normal(rng, rows, d), normal(rng, d), normal(rng, d),
+                 normal(rng, d) if bias else np.zeros(0, np.float32)]
+        output, total = skip_layer_norm_reference(*feeds[:4], feeds[4] if bias else None, epsilon=EPSILON)
+        yield name, "norm", [rows, d, int(bias)], [*feeds, output, total]
+
+
+KINDS = [ffn_cases, refusal_cases, qffn_cases, qmatmul_cases, attention_cases, window_starts_cases, step_inputs_cases,
+         skip_layer_norm_cases]
 
 
 def write(path: pathlib.Path, seed: int) -> int:

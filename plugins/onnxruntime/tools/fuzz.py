@@ -1,16 +1,17 @@
 """Fuzz infmoe::ContinuousSliceFFN, infmoe::QContinuousSliceFFN, infmoe::QMatMul,
-infmoe::DecoderAttention, infmoe::WindowStarts and infmoe::StepInputs through onnxruntime, meant
-for the AddressSanitizer + UBSan build.
+infmoe::DecoderAttention, infmoe::WindowStarts, infmoe::StepInputs and infmoe::SkipLayerNorm
+through onnxruntime, meant for the AddressSanitizer + UBSan build.
 
 Random shapes (zero-size and prefill-size token counts included), dtypes, thread counts and
-windows: 30% of the cases for each expert op, 15% each for QMatMul and DecoderAttention (half
+windows: 30% of the cases for each expert op, 15% for QMatMul and 13% for DecoderAttention (half
 of the quantized ops' cases with int8 activations; a quarter of the quantized expert op's D whole
 32-column groups, its integer path) (caches
 of up to 300 positions, rows of different lengths, past absent; invalid: a dimension changed,
-seqlens_k out of range, total_sequence_length 0, a wrong element type), 5% WindowStarts (eps
+seqlens_k out of range, total_sequence_length 0, a wrong element type), 4% WindowStarts (eps
 shared or per token; invalid: a dimension changed, slice_width outside [1, H], a wrong element
-type), 5% StepInputs (masks of any int64 values; invalid: ranks, batches, a sequence longer than
-the mask); about a third are invalid (starts
+type), 4% StepInputs (masks of any int64 values; invalid: ranks, batches, a sequence longer than
+the mask), 4% SkipLayerNorm (with and without bias; invalid: a dimension changed, D = 0, a
+negative epsilon, a wrong element type); about a third are invalid (starts
 out of range, a mismatched or missing dimension, slice_width > H; for the quantized ops also bits
 and block sizes outside SPEC §6, and packed weights, scales or biases of the wrong element type;
 for QMatMul a K or N attribute that disagrees with the tensors). A valid case must match the
@@ -35,8 +36,10 @@ import torch
 from onnx import helper
 
 from infmoe_export.model import continuous_slice_ffn
-from infmoe_export.export.function import attention_model, op_model, qmatmul_model, step_inputs_model, window_starts_model
-from infmoe_export.export.ort_target import decoder_attention, step_inputs_reference, window_starts_reference
+from infmoe_export.export.function import (attention_model, op_model, qmatmul_model, skip_layer_norm_model,
+                                          step_inputs_model, window_starts_model)
+from infmoe_export.export.ort_target import (decoder_attention, skip_layer_norm_reference, step_inputs_reference,
+                                             window_starts_reference)
 from infmoe_export.quant import int8_activations, n_blocks, packed_columns, q_continuous_slice_ffn, q_matmul
 from infmoe_export.runtimes import ort_kernel
 
@@ -305,6 +308,39 @@ def random_step_case(rng):
     return feeds, None if ok else "shape"
 
 
+def random_norm_case(rng):
+    """(feeds, epsilon, problem) of SkipLayerNorm."""
+    lead = tuple(int(n) for n in rng.integers(0, 4, size=rng.integers(0, 3)))
+    if rng.random() < 0.1:
+        lead = (1, int(rng.integers(4, 600)))
+    d = int(rng.integers(1, 1000))
+    feeds = {name: rng.standard_normal(lead + (d,)).astype(np.float32) for name in ("input", "skip")}
+    feeds.update({name: rng.standard_normal(d).astype(np.float32) for name in ("gamma", "beta", "bias")})
+    if rng.random() < 0.3:
+        del feeds["bias"]
+    epsilon = 1e-5
+    roll = rng.random()
+    if roll < 0.15:  # one input gets a dimension changed, dropped or added
+        name = str(rng.choice(list(feeds)))
+        feeds[name] = rng.standard_normal(changed_shape(rng, feeds[name].shape)).astype(np.float32)
+    elif roll < 0.2:
+        epsilon = -float(rng.random())
+    elif roll < 0.23:
+        name = str(rng.choice(list(feeds)[1:]))
+        feeds[name] = feeds[name].astype(np.float64)
+    x = feeds["input"].shape
+    if epsilon < 0:
+        problem = "attribute"
+    elif any(v.dtype != np.float32 for v in feeds.values()):
+        problem = "type"
+    elif not x or x[-1] < 1 or feeds["skip"].shape != x or any(
+            feeds[n].shape != (x[-1],) for n in ("gamma", "beta", "bias") if n in feeds):
+        problem = "shape"
+    else:
+        problem = None
+    return feeds, epsilon, problem
+
+
 def reference(feeds, r, bits, block, activations="float"):
     tensors = [torch.from_numpy(v) for v in feeds.values()]
     tensors = [t.float() if t.is_floating_point() else t for t in tensors]
@@ -317,7 +353,7 @@ def reference(feeds, r, bits, block, activations="float"):
 
 def main():
     parser = argparse.ArgumentParser(description="Fuzz the ContinuousSliceFFN, QContinuousSliceFFN, QMatMul, "
-                                                 "DecoderAttention, WindowStarts and StepInputs kernels.")
+                                                 "DecoderAttention, WindowStarts, StepInputs and SkipLayerNorm kernels.")
     parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -347,8 +383,12 @@ def main():
     for case in range(args.cases):
         roll = rng.random()
         kind = ("float" if roll < 0.3 else "quantized" if roll < 0.6 else "matmul" if roll < 0.75 else
-                "attention" if roll < 0.9 else "router" if roll < 0.95 else "steps")
-        if kind == "steps":
+                "attention" if roll < 0.88 else "router" if roll < 0.92 else "steps" if roll < 0.96 else "norm")
+        if kind == "norm":
+            feeds, epsilon, problem = random_norm_case(rng)
+            dtype, key = np.float32, ("norm", epsilon, "bias" in feeds)
+            make_model = lambda: skip_layer_norm_model(epsilon, bias="bias" in feeds)  # noqa: E731
+        elif kind == "steps":
             feeds, problem = random_step_case(rng)
             dtype, key = np.int64, ("steps",)
             make_model = step_inputs_model
@@ -384,6 +424,13 @@ def main():
             continue
         if error is not None:
             findings.append(f"case {case}: valid ({label}) but raised: {error}")
+            continue
+        if kind == "norm":
+            expected, total = skip_layer_norm_reference(*feeds.values(), epsilon=epsilon)
+            scale = float(np.abs(feeds["gamma"]).max() + np.abs(feeds["beta"]).max())
+            if y.shape != expected.shape or not np.array_equal(outputs[1], total) or (
+                    y.size and np.abs(y - expected).max() > 2e-5 * scale):  # as tests/test_ort_skip_layer_norm.py
+                findings.append(f"case {case}: wrong norm ({label}, shape {y.shape} vs {expected.shape})")
             continue
         if kind == "steps":
             if any(not np.array_equal(o, e) for o, e in zip(outputs, step_inputs_reference(**feeds))):

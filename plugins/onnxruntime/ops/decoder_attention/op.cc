@@ -77,12 +77,13 @@ struct AttentionCpuKernel {
     return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   static bool Optional(size_t index) { return index == 1 || index == 2 || index == 6; }
+  static bool OptionalOutput(size_t) { return false; }
   static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
 
   int64_t heads;
   ConstantInputs constants;
   explicit AttentionCpuKernel(const OrtKernelInfo* info)
-      : heads(RequiredInt(Ort::ConstKernelInfo(info), "num_heads", "the number of query, key and value heads")),
+      : heads(RequiredAttribute<int64_t>(Ort::ConstKernelInfo(info), "num_heads", "the number of query, key and value heads")),
         constants(info, kInputs) {
     if (heads < 1) Fail("num_heads must be >= 1, got " + std::to_string(heads));
   }

@@ -12,8 +12,8 @@ struct MatMulAttributes {
   int64_t k, n;
   explicit MatMulAttributes(const OrtKernelInfo* info) : quantization(QuantizationOf(Ort::ConstKernelInfo(info))) {
     Ort::ConstKernelInfo kernel_info(info);
-    k = RequiredInt(kernel_info, "K", "A's last dimension");
-    n = RequiredInt(kernel_info, "N", "the output's last dimension");
+    k = RequiredAttribute<int64_t>(kernel_info, "K", "A's last dimension");
+    n = RequiredAttribute<int64_t>(kernel_info, "N", "the output's last dimension");
     if (k < 1 || n < 1) Fail("K and N must be >= 1, got K = " + std::to_string(k) + ", N = " + std::to_string(n));
   }
 };

@@ -32,6 +32,7 @@ struct StepInputsCpuKernel {
   static constexpr size_t kInputs = 2, kOutputs = 4;
   static ONNXTensorElementDataType InputType(size_t, ONNXTensorElementDataType) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
   static bool Optional(size_t) { return false; }
+  static bool OptionalOutput(size_t) { return false; }
   static ONNXTensorElementDataType OutputType(size_t index, ONNXTensorElementDataType) {
     return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
            : index == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;

@@ -51,8 +51,8 @@ struct WindowStartsCpuKernel : OneOutput {
   int64_t h, r;
   ConstantInputs constants;
   explicit WindowStartsCpuKernel(const OrtKernelInfo* info)
-      : h(RequiredInt(Ort::ConstKernelInfo(info), "ffn_hidden", "H, the expert's hidden units")),
-        r(RequiredInt(Ort::ConstKernelInfo(info), "slice_width", "r, the window's width")),
+      : h(RequiredAttribute<int64_t>(Ort::ConstKernelInfo(info), "ffn_hidden", "H, the expert's hidden units")),
+        r(RequiredAttribute<int64_t>(Ort::ConstKernelInfo(info), "slice_width", "r, the window's width")),
         constants(info, kInputs) {
     if (r < 1 || r > h) Fail("slice_width must be in [1, ffn_hidden], got " + std::to_string(r) + " with ffn_hidden = " + std::to_string(h));
   }
