@@ -44,6 +44,14 @@ struct QuantizedTokens {
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = std::min(kGroup, d - g * kGroup);
+#if defined(__AVX2__)
+        if constexpr (std::is_same_v<T, float>) {
+          if (n == kGroup) {
+            QuantizeGroup(x + t * d + g * kGroup, t, g);
+            continue;
+          }
+        }
+#endif
         float most = 0.0f;
         bool finite = true;
         for (int64_t c = 0; c < kGroup; ++c) {
@@ -66,6 +74,57 @@ struct QuantizedTokens {
       }
     }
   }
+#if defined(__AVX2__)
+  // A whole group of float x as the scalar loop above quantizes it, in registers: the same
+  // maximum, division and rounding (half to even), so the same bits, without a division per value
+  // on the scalar unit.
+  void QuantizeGroup(const float* x, int64_t t, int64_t g) {
+    __m256 v[4];
+    __m256 most = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_EQ_OQ));
+      most = _mm256_max_ps(most, _mm256_and_ps(v[i], magnitude));
+    }
+    float& s = scale[t * lanes + g];
+    if (_mm256_movemask_ps(finite) != 0xff) {
+      s = std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    if (largest == 0.0f) return;
+    s = largest / 127.0f;
+    const __m256 step = _mm256_set1_ps(s), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+    __m256i qi[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, bottom), top));
+      total = _mm256_add_epi32(total, qi[i]);
+    }
+    // int32 -> int8 in column order: the packs interleave 128-bit lanes, the permutation undoes it.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    int8_t* values = &q[t * lanes * kGroup];
+    if (bits == 4) {  // even columns, then odd ones (Slot)
+      const __m256i split = _mm256_permute4x64_epi64(
+          _mm256_shuffle_epi8(bytes, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                      10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)),
+          0xd8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(values + Slot(g, 0)), _mm256_castsi256_si128(split));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(values + Slot(g, 1)), _mm256_extracti128_si256(split, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + Slot(g, 0)), bytes);
+    }
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1));
+    offset[t * lanes + g] = 8 * _mm_cvtsi128_si32(sum);
+  }
+#endif
   // Where column c of group g lies in a token's values.
   int64_t Slot(int64_t g, int64_t c) const {
     return bits == 4 ? g / 2 * 2 * kGroup + c % 2 * kGroup + g % 2 * (kGroup / 2) + c / 2 : g * kGroup + c;
