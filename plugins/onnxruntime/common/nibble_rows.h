@@ -120,18 +120,28 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
                      Lanes<8>* out) {
   typename NibbleRows<T>::Row row[Rows];
   for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride);
-  for (int64_t g = 0, b = 0; g < w.groups; ++b) {
-    float c[Rows], offset = 0.0f;
-    for (int r = 0; r < Rows; ++r) c[r] = h[r * stride] * ToFloat(row[r].scale[b]), offset += 8.0f * c[r];
-    for (const int64_t end = std::min(g + w.groups_per_block, w.groups); g < end; ++g) {
-      Lanes<8> even = out[2 * g] - offset, odd = out[2 * g + 1] - offset;
-      for (int r = 0; r < Rows; ++r) {
-        const __m256i u = w.Group(row[r], g);
-        even += c[r] * NibbleRows<T>::Even(u);
-        odd += c[r] * NibbleRows<T>::Odd(u);
-      }
-      out[2 * g] = even, out[2 * g + 1] = odd;
+  const auto group = [&](int64_t g, const Lanes<8>* c, float offset, auto full) __attribute__((always_inline)) {
+    Lanes<8> even = out[2 * g] - offset, odd = out[2 * g + 1] - offset;
+    for (int r = 0; r < Rows; ++r) {
+      // Whole groups: one 8-byte load each, no test of the row's end in the loop.
+      const __m256i u = decltype(full)::value
+                            ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row[r].q + 8 * g)))
+                            : w.Group(row[r], g);
+      even += c[r] * NibbleRows<T>::Even(u);
+      odd += c[r] * NibbleRows<T>::Odd(u);
     }
+    out[2 * g] = even, out[2 * g + 1] = odd;
+  };
+  for (int64_t g = 0, b = 0; g < w.groups; ++b) {
+    Lanes<8> c[Rows];
+    float offset = 0.0f;
+    for (int r = 0; r < Rows; ++r) {
+      const float factor = h[r * stride] * ToFloat(row[r].scale[b]);
+      c[r] = Lanes<8>{} + factor, offset += 8.0f * factor;
+    }
+    const int64_t end = std::min(g + w.groups_per_block, w.groups), full = std::min(end, w.full_groups);
+    for (; g < full; ++g) group(g, c, offset, std::true_type{});
+    for (; g < end; ++g) group(g, c, offset, std::false_type{});
   }
 }
 
