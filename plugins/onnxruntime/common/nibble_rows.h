@@ -23,15 +23,23 @@ struct NibbleRows {
   Row At(int64_t i) const { return w.At(i); }
   int64_t RowBytes() const { return w.RowBytes(); }
 
-  // Group g's stored nibbles u = q + 8 as 8 dwords (bytes beyond the row: 0x88, q = 0).
+  // Group g's stored nibbles u = q + 8 as 8 dwords (bytes beyond the row: 0x88, q = 0); kFull:
+  // g is one of the row's whole groups (one 8-byte load).
+  template <bool kFull>
   __m256i Group(Row row, int64_t g) const {
+    if constexpr (kFull) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.q + 8 * g)));
     uint64_t word = 0x8888888888888888ull;
-    if (g < full_groups) {  // a constant size: one load, not a call to memcpy
-      std::memcpy(&word, row.q + 8 * g, 8);
-    } else {
-      std::memcpy(&word, row.q + 8 * g, (w.d - 16 * g + 1) / 2);
-    }
+    std::memcpy(&word, row.q + 8 * g, g < full_groups ? 8 : (w.d - 16 * g + 1) / 2);
     return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
+  }
+  // f(g, kFull) for g in [begin, end), kFull a std::bool_constant: true for the row's whole groups,
+  // so the loops over them test no row end (a test per group and row kept the compiled loops from
+  // holding their factors in registers).
+  template <class F>
+  static void ForGroups(int64_t begin, int64_t end, int64_t full_groups, F&& f) {
+    const int64_t full = std::max(begin, std::min(end, full_groups));
+    for (int64_t g = begin; g < full; ++g) f(g, std::true_type{});
+    for (int64_t g = full; g < end; ++g) f(g, std::false_type{});
   }
   // The group's even (low nibbles) and odd (high nibbles) columns' stored nibbles u = q + 8, as floats.
   static Lanes<8> Even(__m256i u) {
@@ -70,12 +78,13 @@ void DotTokens(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>*
       Lanes<8> p[Tt], p_odd[Tt];
 #pragma GCC unroll 4
       for (int t = 0; t < Tt; ++t) p[t] = -eights[t * blocks + b], p_odd[t] = Lanes<8>{};
-      for (; g < end; ++g) {
-        const __m256i u = w.Group(row, g);
+      NibbleRows<T>::ForGroups(g, end, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
+        const __m256i u = w.template Group<decltype(full)::value>(row, gi);
         const Lanes<8> e = NibbleRows<T>::Even(u), o = NibbleRows<T>::Odd(u);
 #pragma GCC unroll 4
-        for (int t = 0; t < Tt; ++t) p[t] += e * x[t * units + 2 * g], p_odd[t] += o * x[t * units + 2 * g + 1];
-      }
+        for (int t = 0; t < Tt; ++t) p[t] += e * x[t * units + 2 * gi], p_odd[t] += o * x[t * units + 2 * gi + 1];
+      });
+      g = end;
       const float scale = ToFloat(row.scale[b]);
 #pragma GCC unroll 4
       for (int t = 0; t < Tt; ++t) (b & 1 ? odd[t] : even[t]) += (p[t] + p_odd[t]) * scale;
@@ -120,18 +129,6 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
                      Lanes<8>* out) {
   typename NibbleRows<T>::Row row[Rows];
   for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride);
-  const auto group = [&](int64_t g, const Lanes<8>* c, float offset, auto full) __attribute__((always_inline)) {
-    Lanes<8> even = out[2 * g] - offset, odd = out[2 * g + 1] - offset;
-    for (int r = 0; r < Rows; ++r) {
-      // Whole groups: one 8-byte load each, no test of the row's end in the loop.
-      const __m256i u = decltype(full)::value
-                            ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row[r].q + 8 * g)))
-                            : w.Group(row[r], g);
-      even += c[r] * NibbleRows<T>::Even(u);
-      odd += c[r] * NibbleRows<T>::Odd(u);
-    }
-    out[2 * g] = even, out[2 * g + 1] = odd;
-  };
   for (int64_t g = 0, b = 0; g < w.groups; ++b) {
     Lanes<8> c[Rows];
     float offset = 0.0f;
@@ -139,9 +136,17 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
       const float factor = h[r * stride] * ToFloat(row[r].scale[b]);
       c[r] = Lanes<8>{} + factor, offset += 8.0f * factor;
     }
-    const int64_t end = std::min(g + w.groups_per_block, w.groups), full = std::min(end, w.full_groups);
-    for (; g < full; ++g) group(g, c, offset, std::true_type{});
-    for (; g < end; ++g) group(g, c, offset, std::false_type{});
+    const int64_t end = std::min(g + w.groups_per_block, w.groups);
+    NibbleRows<T>::ForGroups(g, end, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
+      Lanes<8> even = out[2 * gi] - offset, odd = out[2 * gi + 1] - offset;
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i u = w.template Group<decltype(full)::value>(row[r], gi);
+        even += c[r] * NibbleRows<T>::Even(u);
+        odd += c[r] * NibbleRows<T>::Odd(u);
+      }
+      out[2 * gi] = even, out[2 * gi + 1] = odd;
+    });
+    g = end;
   }
 }
 
@@ -169,16 +174,17 @@ struct RowsAxpy<NibbleRows<T>> {
 #pragma GCC unroll 8
         for (int t = 0; t < Tt; ++t) factor[j * Tt + t] = h[t * ldh + j] * scale, offset[t] += 8.0f * factor[j * Tt + t];
       }
-      for (const int64_t end = std::min(g + w.groups_per_block, w.groups); g < end; ++g) {
+      const int64_t end = std::min(g + w.groups_per_block, w.groups);
+      NibbleRows<T>::ForGroups(g, end, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
         Lanes<8> even[Tt], odd[Tt];
 #pragma GCC unroll 8
         for (int t = 0; t < Tt; ++t) {
-          std::memcpy(&even[t], out[t] + 16 * g, sizeof even[t]);
-          std::memcpy(&odd[t], out[t] + 16 * g + 8, sizeof odd[t]);
+          std::memcpy(&even[t], out[t] + 16 * gi, sizeof even[t]);
+          std::memcpy(&odd[t], out[t] + 16 * gi + 8, sizeof odd[t]);
           even[t] -= offset[t], odd[t] -= offset[t];
         }
         for (int64_t j = 0; j < rows; ++j) {
-          const __m256i u = w.Group(w.At(lo + j), g);
+          const __m256i u = w.template Group<decltype(full)::value>(w.At(lo + j), gi);
           const Lanes<8> e = NibbleRows<T>::Even(u), o = NibbleRows<T>::Odd(u);
 #pragma GCC unroll 8
           for (int t = 0; t < Tt; ++t) {
@@ -188,10 +194,11 @@ struct RowsAxpy<NibbleRows<T>> {
         }
 #pragma GCC unroll 8
         for (int t = 0; t < Tt; ++t) {
-          std::memcpy(out[t] + 16 * g, &even[t], sizeof even[t]);
-          std::memcpy(out[t] + 16 * g + 8, &odd[t], sizeof odd[t]);
+          std::memcpy(out[t] + 16 * gi, &even[t], sizeof even[t]);
+          std::memcpy(out[t] + 16 * gi + 8, &odd[t], sizeof odd[t]);
         }
-      }
+      });
+      g = end;
     }
   }
 
