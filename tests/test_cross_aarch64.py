@@ -16,7 +16,7 @@ import pytest
 PLUGIN = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "onnxruntime"
 SCRIPT = PLUGIN / "tools" / "cross_test.sh"
 WRITER = PLUGIN / "tests" / "write_reference.py"
-KINDS = {"ffn", "refuse", "qffn", "qmatmul", "attn", "starts", "steps"}  # write_reference.py's kinds of case
+KINDS = {"ffn", "refuse", "qffn", "qmatmul", "attn", "starts", "steps", "norm"}  # write_reference.py's kinds of case
 
 
 def headers_or_skip():

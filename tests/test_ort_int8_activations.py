@@ -66,7 +66,9 @@ def test_rows_do_not_depend_on_batch_mates(library, bits):
     y = s.run(None, feeds)[0]
     for t in range(6):
         alone = s.run(None, dict(feeds, A=feeds["A"][t:t + 1]))[0]
-        assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-6, f"seed {SEED}, row {t}"
+        # Within fp32's tolerance, not bit for bit: the path of a call is timed per token count
+        # (common/paths.h), and 6 tokens and 1 may take paths that sum in other orders.
+        assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-5, f"seed {SEED}, row {t}"
 
 
 def test_non_finite_activations_give_a_non_finite_row(library):
