@@ -66,8 +66,9 @@ def test_rows_do_not_depend_on_batch_mates(library, bits):
     y = s.run(None, feeds)[0]
     for t in range(6):
         alone = s.run(None, dict(feeds, A=feeds["A"][t:t + 1]))[0]
-        # Within fp32's tolerance, not bit for bit: the path of a call is timed per token count
-        # (common/paths.h), and 6 tokens and 1 may take paths that sum in other orders.
+        # Within fp32's tolerance, not bit for bit: a call's path is timed once per process and
+        # token count (common/paths.h), on the first call's matrices, whichever test made it; 6
+        # tokens and 1 may take paths that sum in other orders.
         assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-5, f"seed {SEED}, row {t}"
 
 
@@ -143,7 +144,8 @@ def test_expert_op_rows_do_not_depend_on_batch_mates(library, bits):
     y = s.run(None, feeds)[0]
     for t in range(7):
         alone = s.run(None, dict(feeds, X=feeds["X"][t:t + 1], starts=feeds["starts"][t:t + 1]))[0]
-        assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-6, f"seed {SEED}, row {t}"
+        # fp32's tolerance: 7 tokens and 1 may take paths that sum in other orders (as above).
+        assert relative_error(y[t:t + 1], alone.astype(np.float64)) < 1e-5, f"seed {SEED}, row {t}"
 
 
 def test_expert_op_int8_activations_are_not_float_activations(library):
