@@ -248,6 +248,25 @@ def test_interleaved_stops_when_stable_and_respects_the_budget():
     assert sum(map(sum, noisy)) < 1.0
 
 
+def test_primed_calls_are_timed_right_after_one_of_their_own():
+    """A call is slow when another fn ran last (cold weights): primed rounds time only warm calls."""
+    import time as clock
+
+    last = [None]
+
+    def call(name):
+        def fn():
+            clock.sleep(0.004 if last[0] != name else 0.0005)
+            last[0] = name
+        return fn
+
+    calls = [call("a"), call("b"), call("c")]
+    cold = timing.interleaved(calls, warmup=0, max_iters=10, budget_s=60.0, rel_ci=None)
+    warm = timing.interleaved(calls, warmup=0, max_iters=10, budget_s=60.0, rel_ci=None, primed=True)
+    assert all(len(s) == 10 for s in cold + warm)
+    assert max(map(max, warm)) < 0.003 < min(map(np.median, cold))
+
+
 def test_within_noise_is_interval_overlap():
     a = {"median": 1.0, "ci_low": 0.9, "ci_high": 1.1}
     assert timing.within_noise(a, {"median": 1.15, "ci_low": 1.05, "ci_high": 1.2})

@@ -23,7 +23,8 @@ from .timing import REL_CI, interleaved, latency_summary, stable
 DEFAULT_PAST = 128
 LATENCY_NOTE = ("Latency: wall time of one call as `run` makes it (time.perf_counter): on a model with a shared "
                 "KV cache (the onnxruntime target, on the CPU) one step of that cache in place, a prefill's LM head "
-                "on its last position; else one runner.infer call. Median with its 95% distribution-free interval, "
+                "on its last position; else one runner.infer call. A decode step is timed right after an untimed "
+                "one of the same model, as a generation's steps follow each other. Median with its 95% distribution-free interval, "
                 "every configuration of a shape timed in one interleaved loop. "
                 "≈: within noise of the previous K (the intervals overlap).")
 NO_PAST = "the model has no KV-cache inputs (exported with --no-past)"
@@ -179,7 +180,7 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
                 calls.append(timed_call(runner, model, batch, seq, past))
             if calls:
                 samples = interleaved(calls, warmup=warmup, max_iters=iters, budget_s=budget_s * len(calls),
-                                      rel_ci=rel_ci)
+                                      rel_ci=rel_ci, primed=seq == 1)
                 for key, seconds in zip(keys, samples):
                     results[key] = finished(results[key], seconds, rel_ci)
     settings = {"warmup": warmup, "iters": iters, "budget_s": budget_s, "rel_ci": rel_ci, "decode_past": past,

@@ -359,9 +359,9 @@ def agreement_table(report: dict) -> Optional[Table]:
                   for r in rows], [not r["agrees"] for r in rows],
                  "run: a greedy generation as `infmoe-export run` makes it, timed step by step (`run --timings` "
                  "prints the same); agrees: the two intervals of the median overlap. The table's sessions take "
-                 "turns, their threads resting between calls; `run`'s one session keeps its threads spinning. On a "
-                 "model this small the two also differ by the threads' wake-up and by the machine's drift between "
-                 "the two measurements.")
+                 "turns, each timed step after an untimed one of its own, their threads resting between turns; "
+                 "`run`'s one session keeps its threads spinning. On a model this small the two also differ by "
+                 "the threads' wake-up and by the machine's drift between the two measurements.")
 
 
 def agreement_line(report: dict) -> Optional[str]:

@@ -94,11 +94,13 @@ def stable(ms: Sequence[float], rel_ci: float) -> bool:
 
 
 def interleaved(calls: Sequence[Callable[[], object]], *, warmup: int, max_iters: int, budget_s: float,
-                rel_ci: Optional[float] = REL_CI, seed: int = 0) -> List[List[float]]:
+                rel_ci: Optional[float] = REL_CI, seed: int = 0, primed: bool = False) -> List[List[float]]:
     """Seconds per call of every fn in `calls`, timed one call each per round in a shuffled order:
     rounds go on until every median's interval is within rel_ci of it (after at least MIN_ITERS
     rounds; never with rel_ci None), or a configuration reached max_iters calls, or budget_s
-    seconds of rounds are spent. Sample j of every fn comes from the same round."""
+    seconds of rounds are spent. Sample j of every fn comes from the same round.
+    primed: each timed call right after an untimed one of the same fn, as a generation's decode
+    step follows the previous step: its weights back in the cache that the other fns' calls took."""
     if warmup < 0 or max_iters < 1 or budget_s <= 0:
         raise InfMoEError(f"need warmup >= 0, iters >= 1 and a positive budget, got {warmup}, {max_iters}, {budget_s}")
     for fn in calls:
@@ -111,7 +113,7 @@ def interleaved(calls: Sequence[Callable[[], object]], *, warmup: int, max_iters
     for _ in range(max_iters):
         shuffle(order)
         for i in order:
-            samples[i] += time_calls(calls[i], 0, 1)
+            samples[i] += time_calls(calls[i], int(primed), 1)
         if time.perf_counter() - started >= budget_s and len(samples[0]) >= min(MIN_ITERS, max_iters):
             break
         if rel_ci is not None and all(stable(s, rel_ci) for s in samples):
