@@ -67,6 +67,12 @@ DEPLOYMENTS, DEFAULT_DEPLOYMENT = ("onnxruntime", "tensorrt", "portable"), "onnx
 SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "total_sequence_length"
 
 
+# The quantized ops' activations (docs/guide/quantization.md#int8-activations): float32, SPEC §6's
+# (level 1), or int8 per row and group of 32 columns with integer dot products (judged at level 2).
+# A model carries the kind it is deployed with (infmoe.activations); a session may ask for the other.
+ACTIVATION_KINDS = ("float", "int8")
+
+
 def precision_name(dtype: str, quantize_other: str = "none") -> str:
     """fp32, fp16; all-int8 / all-int4 (every matrix SPEC §6 lets be quantized: the experts,
     attention, the tied embedding / LM head); "int4 experts" (the experts alone); "int4 experts,
@@ -87,6 +93,7 @@ class DecoderIO:
     block_size: int = DEFAULT_BLOCK_SIZE
     quantize_other: str = "none"
     target: str = DEFAULT_TARGET
+    activations: str = "float"
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_K:
@@ -100,6 +107,11 @@ class DecoderIO:
         check_block_size(self.block_size)
         if self.target not in TARGETS:
             raise InfMoEError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.activations not in ACTIVATION_KINDS:
+            raise InfMoEError(f"activations must be one of {ACTIVATION_KINDS}, got {self.activations!r}")
+        if self.activations == "int8" and not (self.quantized and self.target == "onnxruntime"):
+            raise InfMoEError("int8 activations apply to the onnxruntime target's int8 / int4 weights, "
+                              f"not to a {self.target} {self.precision} model")
         if self.is_moe:
             self._check_moe()
 
@@ -282,7 +294,7 @@ class DecoderIO:
                 "infmoe.bits": str(self.bits or (16 if self.dtype == "fp16" else 32)),
                 "infmoe.block_size": str(self.block_size), "infmoe.quantize_other": self.quantize_other,
                 "infmoe.quantized": ",".join(self.quantized),
-                "infmoe.target": self.target,
+                "infmoe.target": self.target, "infmoe.activations": self.activations,
                 "infmoe.opset": str(opset), "infmoe.has_function": str(int(has_function)),
                 "infmoe.exporter_version": __version__}
 
@@ -295,7 +307,8 @@ class DecoderIO:
                        props["infmoe.with_starts"] == "1", props["infmoe.dtype"],
                        int(props.get("infmoe.block_size", DEFAULT_BLOCK_SIZE)),
                        props.get("infmoe.quantize_other", "none"),
-                       target=props.get("infmoe.target", DEFAULT_TARGET))
+                       target=props.get("infmoe.target", DEFAULT_TARGET),
+                       activations=props.get("infmoe.activations", "float"))
         except (KeyError, ValueError) as error:
             raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
 
@@ -310,6 +323,7 @@ class ExportChoice:
     dtype: str = "fp32"
     quantize_other: str = "none"
     block_size: int = DEFAULT_BLOCK_SIZE
+    activations: str = "float"
     note: Optional[str] = field(default=None, compare=False)
 
     @property
@@ -322,7 +336,7 @@ class ExportChoice:
 
     def options(self) -> dict:
         return {"target": self.target, "dtype": self.dtype, "quantize_other": self.quantize_other,
-                "block_size": self.block_size}
+                "block_size": self.block_size, "activations": self.activations}
 
 
 # An exported folder (`infmoe-export onnx --out DIR`) keeps the metadata in config.json too,

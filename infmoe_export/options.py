@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 
 import click
 
-from .contract import DEFAULT_DEPLOYMENT, DEPLOYMENTS, QUANTIZE_OTHER, TARGETS, ExportChoice
+from .contract import ACTIVATION_KINDS, DEFAULT_DEPLOYMENT, DEPLOYMENTS, QUANTIZE_OTHER, TARGETS, ExportChoice
 from .errors import InfMoEError
 from .limits import check_fits, forward_bytes
 from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, check_block_size
@@ -92,7 +92,7 @@ def precision_list(text: str) -> List[str]:
 
 def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Optional[str] = None,
                    quantize_other: Optional[str] = None, target: Optional[str] = None,
-                   block_size: Optional[int] = None) -> List[ExportChoice]:
+                   block_size: Optional[int] = None, activations: Optional[str] = None) -> List[ExportChoice]:
     """The flags as one ExportChoice per precision in dtypes (default fp32), checked before any
     export; None is a flag not given. A conflict is a one-line error naming both flags.
 
@@ -103,7 +103,10 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
     - int8 / int4 quantize every matrix the runtime reads fast at that precision: onnxruntime
       and portable the experts, attention and the tied embedding / LM head (the router,
       LayerNorms and biases stay float); tensorrt the experts (its plugin). --quantize-other
-      overrides that for the int8 / int4 models; fp32 and fp16 models stay float."""
+      overrides that for the int8 / int4 models; fp32 and fp16 models stay float.
+    - The onnxruntime target's int8 / int4 models run their quantized ops on int8 activations
+      (integer dot products, judged at level 2: the fast path, as onnxruntime-genai's int4 CPU
+      models do); --activations float keeps SPEC §6's float ones, level 1. Other models are float."""
     dtypes = list(dtypes or ["fp32"])
     quantized = [d for d in dtypes if d in BITS]
     if deploy is not None and target is not None and target != deploy:
@@ -118,7 +121,11 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             check_block_size(block_size)
         except InfMoEError as error:
             raise InfMoEError(f"--block-size: {error}") from None
+    if activations is not None and activations not in ACTIVATION_KINDS:
+        raise InfMoEError(f"--activations must be one of {', '.join(ACTIVATION_KINDS)}, got {activations!r}")
     chosen, note = target or deploy or DEFAULT_DEPLOYMENT, None
+    if activations == "int8" and not quantized:
+        raise InfMoEError("--activations int8 applies to int8 / int4 weights, and --dtype has none")
     if chosen == "onnxruntime":
         from .export.ort_target import HEAD_DIM_MULTIPLE, fits_onnxruntime
 
@@ -134,6 +141,9 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             if custom_op_library() is None:
                 note = ("the onnxruntime kernel library is not installed here: the model's infmoe ops run as "
                         "their fallback functions, slower (docs/guide/onnxruntime.md)")
+    if activations == "int8" and chosen != "onnxruntime":
+        why = f"--target {target}" if target else f"--for {deploy}" if deploy else note
+        raise InfMoEError(f"--activations int8 runs in our kernels on the onnxruntime target, not {why}")
     if deploy == "tensorrt":
         from .runtimes.tensorrt import tensorrt_problem
 
@@ -148,8 +158,13 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             return quantize_other
         return "none" if chosen == "tensorrt" else dtype
 
-    return [ExportChoice(chosen, dtype, other(dtype), block_size if dtype in BITS else DEFAULT_BLOCK_SIZE, note)
-            for dtype in dtypes]
+    def kind(dtype: str) -> str:
+        if dtype not in BITS or chosen != "onnxruntime":
+            return "float"
+        return activations or "int8"
+
+    return [ExportChoice(chosen, dtype, other(dtype), block_size if dtype in BITS else DEFAULT_BLOCK_SIZE,
+                         kind(dtype), note) for dtype in dtypes]
 
 
 DEPLOYMENT_HELP = {"onnxruntime": "onnxruntime (the default: its fused graph, int8 / int4 read by our kernels)",
@@ -159,6 +174,11 @@ DEPLOYMENT_HELP = {"onnxruntime": "onnxruntime (the default: its fused graph, in
 
 QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the int8 / int4 models (default: as "
                        "--dtype; none: the experts only).")
+
+
+ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices multiply: int8 (the default: integer "
+                    "dot products, judged by the accuracy budget) or float (SPEC §6's exact float32 path). A "
+                    "session's infmoe.activations option overrides it.")
 
 
 def _weight_bytes(bits: int) -> str:
@@ -186,7 +206,7 @@ CHOICES_TABLE = "\n".join([
 def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DEPLOYMENTS, target: bool = False,
                           dtype_names: Sequence[str] = ("--dtype",)):
     """The flags of export_choices on a command: --for (among deployments), --dtype (a
-    comma-separated list where many; dtype_names: its spellings), --quantize-other, --block-size,
+    comma-separated list where many; dtype_names: its spellings), --quantize-other, --block-size, --activations,
     and --target where asked.
     Every default is None (a flag not given): export_choices applies the defaults. The choices'
     table is in the help of the command with --target (onnx)."""
@@ -206,6 +226,8 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
             click.option("--block-size", type=int, default=None,
                          help=f"Weights per int8 / int4 scale, along the input dimension (a power of two >= 16; "
                               f"default {DEFAULT_BLOCK_SIZE})."),
+            click.option("--activations", type=click.Choice(ACTIVATION_KINDS), default=None,
+                         help=ACTIVATIONS_HELP),
         ]
         if target:
             options.append(click.option("--target", type=click.Choice(TARGETS), default=None,
@@ -217,8 +239,9 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
     return decorate
 
 
-def choices_from_flags(config, deploy, dtype, quantize_other, block_size, target=None) -> List[ExportChoice]:
+def choices_from_flags(config, deploy, dtype, quantize_other, block_size, target=None,
+                       activations=None) -> List[ExportChoice]:
     """export_choices of a command's export_choice_options values (dtype a list where many)."""
     dtypes = None if dtype is None else precision_list(dtype)
     return export_choices(config, dtypes, deploy=deploy, quantize_other=quantize_other, target=target,
-                          block_size=block_size)
+                          block_size=block_size, activations=activations)

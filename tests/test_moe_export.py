@@ -91,7 +91,7 @@ def run(session, feed):
 
 def reference(model, exported, feed, quantized=True):
     """The level-1 reference (the dequantized model at int8 / int4) or the float one."""
-    io = exported.io if quantized else dataclasses.replace(exported.io, dtype="fp32", quantize_other="none")
+    io = exported.io if quantized else dataclasses.replace(exported.io, dtype="fp32", quantize_other="none", activations="float")
     with TorchRunner(io, model) as runner:
         return runner.infer(feed, check_inputs=False)
 

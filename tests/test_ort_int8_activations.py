@@ -198,3 +198,50 @@ def test_parity_runs_int8_activations_as_the_ort_a8_backend_judged_at_level_2(li
     assert a8["perplexity"] != ort_row["perplexity"]
     skipped = rows["ort-a8", "fp32"]
     assert skipped["status"] == "skipped" and "int8 / int4" in skipped["reason"]
+
+
+def test_a_model_exported_for_int8_activations_runs_them_unless_a_session_asks_otherwise(library, tmp_path):
+    """The default export of an int4 model carries infmoe.activations = int8: a session or
+    runner given nothing runs the integer path (its logits equal an explicit int8 session's, and
+    differ from float activations'), a session's option or argument still chooses; the deployed
+    backend is ort-a8, checked beside ort (level 1)."""
+    from infmoe_export.contract import ExportedModel
+    from infmoe_export.export import export_onnx
+    from infmoe_export.model import InfMoEConfig, InfMoEGPT
+    from infmoe_export.options import export_choices
+    from infmoe_export.report.bench import checked_backends, deployed_backend
+    from infmoe_export.runtimes.ort import OrtRunner, create_session
+
+    config = InfMoEConfig(vocab_size=256, n_positions=40, d_model=64, n_layer=2, n_head=2, ffn_hidden=53,
+                          slice_width=11, num_samples=2)
+    model = InfMoEGPT(config)
+    model.reset_parameters(seed=SEED % 1000)
+    model.eval()
+    choice, = export_choices(config, ["int4"])
+    exported = export_onnx(model, tmp_path / "int4.onnx", k=2, **choice.options())
+    assert ExportedModel.read(exported.path).io.activations == "int8"
+    assert exported.metadata["infmoe.activations"] == "int8"
+    feed = exported.feed(np.random.default_rng([SEED, 7]).integers(0, 256, (2, 9)))
+
+    def logits(session):
+        return session.run(["logits"], feed)[0]
+
+    def entry(session):
+        return session.get_session_options().get_session_config_entry(ort_kernel.ACTIVATIONS)
+
+    default, explicit = create_session(exported), create_session(exported, activations="int8")
+    as_float = create_session(exported, activations="float")
+    options = ort.SessionOptions()
+    options.add_session_config_entry(ort_kernel.ACTIVATIONS, "float")
+    by_option = create_session(exported, options=options)
+    assert (entry(default), entry(explicit), entry(as_float), entry(by_option)) == ("int8", "int8", "float", "float")
+    np.testing.assert_array_equal(logits(default), logits(explicit))
+    np.testing.assert_array_equal(logits(as_float), logits(by_option))
+    assert np.abs(logits(default) - logits(as_float)).max() > 1e-4, SEED
+    assert OrtRunner(exported.io, exported).activations == "int8"
+    assert deployed_backend(True, exported.io.activations) == "ort-a8"
+    assert deployed_backend(False, exported.io.activations) == "ort-fallback"
+    assert checked_backends(True, ["float", "int8"]) == ["ort", "ort-a8"]
+    assert checked_backends(True, ["float"]) == ["ort"]
+    with pytest.raises(InfMoEError, match="int8 activations apply to the onnxruntime target's int8 / int4 weights"):
+        export_onnx(model, tmp_path / "fp32.onnx", k=2, target="onnxruntime", activations="int8")

@@ -231,7 +231,26 @@ def test_export_choices_resolve_the_flags(monkeypatch):
     assert "kernel library is not installed" in export_choices(CONFIG, ["int4"])[0].note
 
 
+def test_quantized_onnxruntime_models_take_int8_activations_by_default():
+    """The fast path by default where it runs (our kernels on the onnxruntime target), float
+    activations everywhere else and where asked for."""
+    def kinds(*args, **kwargs):
+        return [(c.dtype, c.activations) for c in export_choices(CONFIG, *args, **kwargs)]
+
+    assert kinds(["fp32", "fp16", "int8", "int4"]) == [("fp32", "float"), ("fp16", "float"), ("int8", "int8"),
+                                                        ("int4", "int8")]
+    assert kinds(["int4"], quantize_other="none") == [("int4", "int8")]  # the experts' w_in product
+    assert kinds(["fp32", "int4"], activations="float") == [("fp32", "float"), ("int4", "float")]
+    assert kinds(["fp32", "int4"], activations="int8") == [("fp32", "float"), ("int4", "int8")]
+    assert kinds(["int4"], deploy="portable") == kinds(["int4"], target="tensorrt") == [("int4", "float")]
+    assert export_choices(CONFIG, ["int4"])[0].options()["activations"] == "int8"
+
+
 @pytest.mark.parametrize("config, kwargs, message", [
+    (CONFIG, dict(dtypes=["fp32"], activations="int8"), "--activations int8 applies to int8 / int4 weights"),
+    (CONFIG, dict(dtypes=["int4"], deploy="portable", activations="int8"), "not --for portable"),
+    (CONFIG, dict(dtypes=["int4"], target="tensorrt", activations="int8"), "not --target tensorrt"),
+    (InfMoEConfig(**TINY), dict(dtypes=["int4"], activations="int8"), "not the portable graph: this checkpoint's"),
     (CONFIG, dict(deploy="onnxruntime", target="portable"), "--target portable conflicts with --for onnxruntime"),
     (CONFIG, dict(dtypes=["fp32", "fp16"], quantize_other="int4"), "--quantize-other int4 applies to int8 / int4"),
     (CONFIG, dict(dtypes=["int4"], block_size=24), "--block-size: block size must be a power of two"),

@@ -786,14 +786,14 @@ def test_timed_decode_is_a_shared_cache_step_as_run_makes_it(tmp_path):
 
 
 def test_run_agreement_puts_a_generation_beside_each_decode_row(setup):
-    """Per quantile model timed at batch-1 decode on the backend: a generation of the steps asked
+    """Per quantile model timed at batch-1 decode on its deployed backend: a generation of the steps asked
     for, its prompt starting at the table's past less half of them; `agrees` is the overlap of the
     two intervals, and the rows validate in the report's schema."""
     from infmoe_export.report.bench import run_agreement
 
     report = setup["report"]
     bench = report["bench"]
-    rows = run_agreement(setup["model"], setup["models"], bench, backend="ort-fallback", threads=1, steps=6)
+    rows = run_agreement(setup["model"], setup["models"], bench, kernel=False, threads=1, steps=6)
     timed = {(r["k"], r["noise"], r["dtype"]) for r in bench["results"]
              if r["backend"] == "ort-fallback" and r["status"] == "ok" and r["phase"] == "decode" and r["batch"] == 1}
     assert {(r["k"], r["noise"], r["dtype"]) for r in rows} == timed and rows
@@ -802,4 +802,4 @@ def test_run_agreement_puts_a_generation_beside_each_decode_row(setup):
         assert 0 < r["run_ms"]["ci_low"] <= r["run_ms"]["median"] <= r["run_ms"]["ci_high"]
         assert r["agrees"] == within_noise(r["bench_ms"], r["run_ms"])
     validate_report({**report, "bench": {**bench, "run_agreement": rows}})
-    assert run_agreement(setup["model"], setup["models"], bench, backend="trt", steps=6) == []
+    assert run_agreement(setup["model"], setup["models"], {**bench, "results": []}, kernel=False, steps=6) == []

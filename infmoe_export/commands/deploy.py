@@ -33,13 +33,13 @@ from ..files import sha256, write_json
 from ..options import (WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
                        positive_ints)
 from ..quant import DEFAULT_BLOCK_SIZE
-from ..report.bench import DEFAULT_PAST, run_bench
+from ..report.bench import DEFAULT_PAST, checked_backends, deployed_backend, run_bench
 from ..report.render import interval, pct, ppl, sci, sig, signed_pct
 from ..report.timing import REL_CI, environment
 from ..runtimes import ort_kernel
 from ..verify.parity import DEFAULT_MAX_PPL_INCREASE, DEFAULT_MIN_TOP1, failures, run_parity
 from ..verify.validate import validate_onnx
-from .pipeline import BUDGET_S, COST, PREFILL, Stages, deployed_backend, staged_output
+from .pipeline import BUDGET_S, COST, PREFILL, Stages, staged_output
 
 DEFAULT_KS = "1,2,8"
 FASTEST_FIRST = ("int4", "int8", "fp32")  # without --dtype: the first whose certificate passes
@@ -62,7 +62,8 @@ FASTEST_FIRST = ("int4", "int8", "fp32")  # without --dtype: the first whose cer
               help="Seconds of interleaved timing per latency figure at most.")
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
-def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_size, max_windows, max_ppl_increase,
+def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_size, activations, max_windows,
+                   max_ppl_increase,
                    min_top1, budget_s, threads):
     """From a checkpoint to a folder to ship: the fastest artifact per K, the kernel library, a
     parity certificate, latency on this machine, and a README on loading it."""
@@ -70,7 +71,7 @@ def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_siz
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     torch_model = load_checkpoint(checkpoint)
     candidates = choices_from_flags(torch_model.config, deploy, dtype or ",".join(FASTEST_FIRST), quantize_other,
-                                    block_size)
+                                    block_size, activations=activations)
     candidates.sort(key=lambda c: FASTEST_FIRST.index(c.dtype) if c.dtype in FASTEST_FIRST else 0)
     check_forward_memory(torch_model.config, 1, torch_model.config.n_positions, max(ks))
     if threads:
@@ -83,10 +84,9 @@ def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_siz
                       "(docs/guide/onnxruntime.md)", markup=False, highlight=False)
     for note in dict.fromkeys(c.note for c in candidates if c.note):
         console.print(f"note: {note}", markup=False, highlight=False)
-    backend = deployed_backend(library is not None)
     limits = dict(max_windows=max_windows, max_ppl_increase=max_ppl_increase / 100, min_top1=min_top1)
     with staged_output(out, inputs=[source]) as work:
-        certificate, latency = build(console, work, torch_model, ks, candidates, backend, library, limits,
+        certificate, latency = build(console, work, torch_model, ks, candidates, library, limits,
                                      budget_s, threads, explicit=dtype is not None)
         certificate.update(checkpoint=str(source),
                            checkpoint_sha256=sha256(source / CONFIG_FILE, source / WEIGHTS_FILE))
@@ -99,9 +99,10 @@ def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_siz
                f"machine); how to load it: {out / 'README.md'}")
 
 
-def build(console, work: Path, torch_model, ks, candidates, backend, library, limits, budget_s, threads, explicit):
+def build(console, work: Path, torch_model, ks, candidates, library, limits, budget_s, threads, explicit):
     """Export, validate and certify each candidate precision in turn into work/k{K}/ until one
-    passes at every K; then time it and write the clients' files. Returns (certificate, latency)."""
+    passes at every K (on its deployed backend, and on float activations where it takes int8
+    ones: level 1); then time it and write the clients' files. Returns (certificate, latency)."""
     per_model = COST["export"] + COST["validate"] + COST["parity"]
     plan = [(f"{candidates[0].precision}", len(ks), per_model), ("latency", 2, budget_s * len(ks))]
     refused = []
@@ -110,6 +111,7 @@ def build(console, work: Path, torch_model, ks, candidates, backend, library, li
             if refused:
                 stages.add(choice.precision, len(ks), per_model)
             models = []
+            backend = deployed_backend(library is not None, choice.activations)
 
             def certify(advance):
                 nonlocal parity
@@ -119,14 +121,15 @@ def build(console, work: Path, torch_model, ks, candidates, backend, library, li
                                         **choice.options())
                     validate_onnx(torch_model, model, kernel=library is not None)
                     models.append(model)
-                parity = run_parity(torch_model, models, backends=[backend], **limits)
+                parity = run_parity(torch_model, models, backends=checked_backends(library is not None,
+                                                                                  [choice.activations]), **limits)
                 return "ok", None
 
             parity = None
             stages.run(choice.precision, certify)
-            rows = [r for r in parity["results"] if r["backend"] == backend]
-            if any(r["level1"] == "fail" for r in rows):
-                raise InfMoEError(f"{choice.label}: the {backend} backend disagrees with PyTorch: "
+            failing = [r["backend"] for r in parity["results"] if r["level1"] == "fail"]
+            if failing:
+                raise InfMoEError(f"{choice.label}: the {failing[0]} backend disagrees with PyTorch: "
                                   + "; ".join(failures(parity)))
             failed = failures(parity)
             if not failed:
@@ -186,6 +189,8 @@ def export_flags(options: dict) -> str:
         flags.append(f"--quantize-other {options['quantize_other']}")
     if quantized and options["block_size"] != DEFAULT_BLOCK_SIZE:
         flags.append(f"--block-size {options['block_size']}")
+    if quantized and options.get("activations") == "float" and options["target"] == "onnxruntime":
+        flags.append("--activations float")
     return " ".join(flags)
 
 
@@ -197,6 +202,9 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
     library = f"k{k}/{certificate['kernel_library']}" if kernel else None
     register = (f'so.register_custom_ops_library("{library}")  # the kernel; without it the fallback function runs'
                 if kernel else "# no kernel library was built: the models run on their fallback function")
+    if certificate["export_options"].get("activations") == "int8":  # read when the library is registered
+        register = (f'so.add_session_config_entry("{ort_kernel.ACTIVATIONS}", "int8")  # as deployed: integer dot products\n'
+                    + register)
     s = certificate["settings"]
     lines = [
         f"# ∞-MoE deployment: {certificate['export']}, K = {', '.join(map(str, ks))}", "",
@@ -209,6 +217,11 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
         "| `certificate.json` | the parity certificate: every model against PyTorch and the float model |",
         "| `latency.json` | decode and prefill on the machine that deployed it |", "",
         "## Parity certificate: passed", "",
+        *([f"The quantized ops take int8 activations (integer dot products): `{certificate['backend']}` is judged "
+           "against the float model (level 2) and `ort`, the same kernels on float activations, against PyTorch "
+           "(level 1). A client that registers the library without the session entry below runs them on float "
+           "activations: the same logits within level 1, slower.", ""]
+          if certificate["export_options"].get("activations") == "int8" else []),
         f"On {s['tokens']} tokens of {s['text']}, the `{certificate['backend']}` backend against PyTorch on the same "
         f"weights (level 1: atol {s['atol']:g} / rtol {s['rtol']:g} on clean tokens, at least "
         f"{pct(s['min_start_agreement'])} of window starts agreeing) and against the float model (level 2: "

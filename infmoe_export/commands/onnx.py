@@ -44,7 +44,8 @@ runtime:
 @click.option("--atol", type=float, default=None,
               help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16).")
 @click.option("--no-validate", is_flag=True, help="Skip the onnxruntime-vs-PyTorch check.")
-def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quantize_other, block_size, target,
+def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quantize_other, block_size, activations,
+                 target,
                  no_function, with_starts, atol, no_validate):
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
@@ -52,7 +53,7 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quant
     config = read_config(source)  # its model_type picks the export (export_onnx), checked before any work:
     DecoderIO(config, config.default_k if k is None else k, noise, dtype=dtype or "fp32", target=target or deploy or
               DEFAULT_DEPLOYMENT)
-    choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target)
+    choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target, activations=activations)
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:

@@ -41,7 +41,7 @@ from ..model import NOISE_MODES
 from ..options import (WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
                        export_choices, positive_ints)
 from ..report.baselines import baseline_paths, prepare_baselines
-from ..report.bench import DEFAULT_PAST, deployed_backend, run_agreement, run_bench
+from ..report.bench import DEFAULT_PAST, checked_backends, run_agreement, run_bench
 from ..report.memory import run_memory
 from ..report.render import build_report, export_labels, level2_as_advice, print_summary, write_report
 from ..report.small_model import small_model_speed
@@ -179,7 +179,8 @@ class Stages:
               help="Seconds of interleaved timing per latency figure at most.")
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
-def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quantize_other, block_size, max_windows,
+def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quantize_other, block_size, activations,
+                     max_windows,
                      baselines, no_baselines, quality_budget, max_ppl_increase, min_top1, iters, warmup, budget_s,
                      threads):
     """The main job: export, validate, parity, latency (and with --full: TensorRT, baselines,
@@ -195,7 +196,8 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
     baselines = baseline_paths(baselines, bundled=matrix.full and not no_baselines)
     torch_model = load_checkpoint(checkpoint)
-    choices = choices_from_flags(torch_model.config, deploy, dtype or matrix.dtypes, quantize_other, block_size)
+    choices = choices_from_flags(torch_model.config, deploy, dtype or matrix.dtypes, quantize_other, block_size,
+                                 activations=activations)
     check_forward_memory(torch_model.config, max(matrix.batches), torch_model.config.n_positions, max(ks))
     if threads:
         torch.set_num_threads(threads)
@@ -227,7 +229,7 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
     models = []
     engines = None
     kernel = ort_kernel.custom_op_library() is not None
-    backends = list(BACKENDS) if matrix.full else [deployed_backend(kernel)]
+    backends = list(BACKENDS) if matrix.full else checked_backends(kernel, [c.activations for c in choices])
     n = torch_model.config.n_positions
     past = min(DEFAULT_PAST, n - 1)  # a cache of 128 and a prefill of 128, or as long as the model allows
     dtypes = [c.dtype for c in choices]
@@ -286,16 +288,14 @@ def run_stages(console, work: Path, torch_model, checkpoint, *, ks, noises, choi
                       engines=engines, threads=threads, progress=advance)
         quantile = run_bench(torch_model, [m for m in models if m.noise == "quantile"], batches=matrix.batches,
                              seqs=(1, min(PREFILL, n)), baselines=timed_baselines,
-                             baseline_backend=deployed_backend(kernel), **common)
+                             **common)
         sampled = run_bench(torch_model, [m for m in models if m.noise == "sampled"], batches=(1,), seqs=(1,),
                             **common)
         bench_section = {**quantile, "results": quantile["results"] + sampled["results"]}
-        deployed = deployed_backend(kernel)
-        if deployed in backends:
-            advance("run's speed beside the table")
-            bench_section["run_agreement"] = run_agreement(
-                torch_model, [m for m in models if m.noise == "quantile"], bench_section, backend=deployed,
-                threads=threads)
+        advance("run's speed beside the table")
+        bench_section["run_agreement"] = run_agreement(
+            torch_model, [m for m in models if m.noise == "quantile"], bench_section, kernel=kernel,
+            threads=threads)
         return "ok", None
 
     def memory(advance):

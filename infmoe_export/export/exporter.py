@@ -367,18 +367,20 @@ def save_model(model: ir.Model, path: Path):
 def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[int] = None,
                 noise: str = "quantile", past: bool = True, opset: Optional[int] = None, dtype: str = "fp32",
                 block_size: int = DEFAULT_BLOCK_SIZE, quantize_other: str = "none", function: bool = True,
-                with_starts: bool = False, target: str = DEFAULT_TARGET) -> ExportedModel:
+                with_starts: bool = False, target: str = DEFAULT_TARGET, activations: str = "float") -> ExportedModel:
     """Export model for expert budget k (default: its num_samples) to path; target: the graph's
     runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py).
     dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
     quantize_other that of attention and the tied embedding / LM head (docs/guide/quantization.md);
-    opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it.
+    activations the quantized ops' kind a session runs by default (contract.ACTIVATION_KINDS,
+    written as metadata; a session's option overrides it); opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it.
 
     Either architecture, by its config's model_type: a conventional MoE (MoEGPT) gets onnxruntime's
     MoE / QMoE experts (moe.py); its K is top_k and its noise none (DecoderIO refuses others), at
     fp32, int8 or int4, for the portable or onnxruntime target."""
     decoder_io = DecoderIO(model.config, model.config.default_k if k is None else k, noise, past, with_starts, dtype,
-                           block_size=block_size, quantize_other=quantize_other, target=target)
+                           block_size=block_size, quantize_other=quantize_other, target=target,
+                           activations=activations)
     opset = check_opset(resolve_opset(opset, decoder_io, DEFAULT_OPSET))
     path = output_file(path)
 

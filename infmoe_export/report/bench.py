@@ -96,14 +96,24 @@ def blank_row(backend: str, model: ExportedModel, batch: int, seq: int, past: in
             "tokens_per_s": None}
 
 
-def deployed_backend(kernel: Optional[bool] = None) -> str:
-    """The backend a deployment runs: onnxruntime with our kernel library, or on the models'
-    fallback functions without it; kernel None: whether the library is installed here."""
+def deployed_backend(kernel: Optional[bool] = None, activations: str = "float") -> str:
+    """The backend a deployment runs: onnxruntime with our kernel library on the activations the
+    model was exported for (ort, or ort-a8 for int8), or on the models' fallback functions
+    without it; kernel None: whether the library is installed here."""
     if kernel is None:
         from ..runtimes.ort_kernel import custom_op_library
 
         kernel = custom_op_library() is not None
-    return "ort" if kernel else "ort-fallback"
+    if not kernel:
+        return "ort-fallback"
+    return "ort-a8" if activations == "int8" else "ort"
+
+
+def checked_backends(kernel: Optional[bool], activations: Sequence[str]) -> List[str]:
+    """The deployed backends of models exported with these activations, and ort beside ort-a8:
+    its float activations are the level-1 check of the same kernels (SPEC §6)."""
+    deployed = {deployed_backend(kernel, a) for a in activations}
+    return [b for b in registry.BACKENDS if b in deployed or (b == "ort" and "ort-a8" in deployed)]
 
 
 def why_not(backend: str, model: ExportedModel, engines) -> Optional[str]:
@@ -134,11 +144,11 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
               batches: Sequence[int] = (1, 4), seqs: Sequence[int] = (1, 128), past: int = DEFAULT_PAST,
               warmup: int = 5, iters: int = 200, budget_s: float = 2.0, rel_ci: float = REL_CI,
               engines: Optional[Path] = None, threads: Optional[int] = None, baselines: Sequence[Baseline] = (),
-              baseline_backend: str = "ort", progress=None) -> dict:
+              baseline_backend: Optional[str] = None, progress=None) -> dict:
     """The report's bench section. Every (backend, model) runner stays loaded; per (batch, seq)
     shape they are timed together, interleaved, for at most budget_s seconds per configuration
-    (timing.interleaved). Baselines are timed on baseline_backend (the runtime the models under
-    test are deployed on) at the batch-1 shapes: decode and prefill.
+    (timing.interleaved). Baselines are timed on baseline_backend (None: each on its export's
+    deployed backend, as the models under test) at the batch-1 shapes: decode and prefill.
     progress(description) is called before each shape."""
     check_shapes(torch_model.config, seqs, past)
     shapes = [(b, s) for b in batches for s in seqs]
@@ -158,12 +168,12 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
                                 stack.enter_context(registry.make_runner(backend, model, torch_model, engines,
                                                                          threads, taking_turns=True))))
         for name, model, base_torch in baselines:
+            backend = baseline_backend or deployed_backend(None, model.io.activations)
             for batch, seq in shapes:
                 if batch == 1:
-                    results[(baseline_backend, model.path, 1, seq)] = blank_row(baseline_backend, model, 1, seq, past,
-                                                                                name)
-            runners.append((baseline_backend, model, name,
-                            stack.enter_context(registry.make_runner(baseline_backend, model, base_torch, None,
+                    results[(backend, model.path, 1, seq)] = blank_row(backend, model, 1, seq, past, name)
+            runners.append((backend, model, name,
+                            stack.enter_context(registry.make_runner(backend, model, base_torch, None,
                                                                      threads, taking_turns=True))))
         for batch, seq in shapes:
             if progress:
@@ -191,12 +201,13 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
 RUN_STEPS = 32  # decode steps of the generation each latency row is checked against
 
 
-def run_agreement(torch_model, models: List[ExportedModel], bench: dict, *, backend: str,
+def run_agreement(torch_model, models: List[ExportedModel], bench: dict, *, kernel: bool,
                   threads: Optional[int] = None, steps: int = RUN_STEPS) -> List[dict]:
     """Whether `run` sees the speed the latency table shows: per model, a generation as `run`
-    makes it (runtimes/generate.py, greedy, on `backend`) of `steps` tokens after a prompt of real
-    text, its steps' pasts centred on the table's decode past; its decode steps' median and 95%
-    interval beside the table's batch-1 decode row, agreeing when the intervals overlap."""
+    makes it (runtimes/generate.py, greedy, on the model's deployed backend) of `steps` tokens
+    after a prompt of real text, its steps' pasts centred on the table's decode past; its decode
+    steps' median and 95% interval beside the table's batch-1 decode row, agreeing when the
+    intervals overlap."""
     from ..runtimes.generate import generate
     from .timing import within_noise
 
@@ -205,6 +216,7 @@ def run_agreement(torch_model, models: List[ExportedModel], bench: dict, *, back
             if r["status"] == "ok" and not r["baseline"] and r["phase"] == "decode" and r["batch"] == 1}
     out = []
     for model in models:
+        backend = deployed_backend(kernel, model.io.activations)
         row = rows.get((backend, model.k, model.noise, model.io.dtype))
         if row is None or not model.io.past:
             continue

@@ -66,8 +66,8 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
     runs their fallback functions instead, on a copy of the model with the functions inlined
     (ort_moe.fallback_copy). activations:
     the quantized ops' ("float", SPEC §6 level 1, or "int8": integer dot products, judged at
-    level 2; docs/guide/quantization.md; None: as options say, else float; QMoE's too,
-    ort_moe.qmoe_activations). stop_spinning:
+    level 2; docs/guide/quantization.md; None: as options say, else as the model was exported
+    for (its infmoe.activations metadata); QMoE's too, ort_moe.qmoe_activations). stop_spinning:
     the pool's threads sleep as soon as a run returns (FORCE_SPINNING_STOP), for sessions that
     take turns (bench); a run then pays one wake-up (~25 us)."""
     if not isinstance(model, ExportedModel):
@@ -78,7 +78,7 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
         # constant: it is an input by design (contract.LOGITS_TO_KEEP). Errors still show; a level
         # the caller chose is kept.
         options.log_severity_level = 3
-    activations = activations or ort_kernel.activations_of(options)
+    activations = activations or ort_kernel.activations_of(options, default=model.io.activations)
     _matmulnbits_accuracy(options, activations)
     if stop_spinning:
         options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
@@ -101,11 +101,12 @@ def create_session(model: Union[ExportedModel, str, os.PathLike], kernel: bool =
 
 
 class OrtRunner(OnnxrtRunner):
-    """Polygraphy's onnxruntime runner over create_session, with the model's DecoderIO."""
+    """Polygraphy's onnxruntime runner over create_session, with the model's DecoderIO;
+    activations None: the quantized ops' kind the model was exported for."""
 
     def __init__(self, decoder_io: DecoderIO, model: Union[ExportedModel, str, os.PathLike], *, kernel: bool = True,
                  providers: Optional[Sequence] = None, intra_op_threads: Optional[int] = None,
-                 stop_spinning: bool = False, name: Optional[str] = None, activations: str = "float"):
+                 stop_spinning: bool = False, name: Optional[str] = None, activations: Optional[str] = None):
         if not isinstance(model, ExportedModel):
             model = ExportedModel.read(model)
         if model.io != decoder_io:
@@ -114,7 +115,7 @@ class OrtRunner(OnnxrtRunner):
                                                 stop_spinning=stop_spinning, activations=activations), name=name)
         self.path = model.path
         self.io = decoder_io
-        self.activations = activations
+        self.activations = activations or model.io.activations
 
     def shared_cache(self, batch: int = 1) -> Optional["SharedCache"]:
         """A SharedCache for a generation on the active session, or None when the model cannot

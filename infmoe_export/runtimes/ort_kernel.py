@@ -15,6 +15,7 @@ import pathlib
 import warnings
 from typing import Optional
 
+from ..contract import ACTIVATION_KINDS
 from ..errors import InfMoEError
 
 ENV_VAR = "INFMOE_ORT_LIBRARY"  # overrides the installed library (e.g. the ASan build)
@@ -72,7 +73,6 @@ CPU_ONLY_OPS = "infmoe.cpu_only_ops"
 # Session config entry read when the library is registered: "int8" gives the quantized ops int8
 # activations (integer dot products; docs/guide/quantization.md), "float" (default) SPEC §6's.
 ACTIVATIONS = "infmoe.activations"
-ACTIVATION_KINDS = ("float", "int8")
 
 
 def activations_of(session_options, default: Optional[str] = "float") -> Optional[str]:

@@ -58,7 +58,8 @@ class Agreement:
 
 def float_reference(model: InfMoEGPT, decoder_io: DecoderIO) -> TorchRunner:
     """The float32 PyTorch model with decoder_io's inputs, outputs and starts."""
-    return TorchRunner(dataclasses.replace(decoder_io, dtype="fp32", quantize_other="none", with_starts=True), model)
+    return TorchRunner(dataclasses.replace(decoder_io, dtype="fp32", quantize_other="none", activations="float",
+                                           with_starts=True), model)
 
 
 def starts_session(exported: ExportedModel, kernel: bool = True, providers=None, activations: str = "float"):
