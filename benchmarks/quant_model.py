@@ -22,6 +22,8 @@ Per K, measured side by side in one run:
   without our kernel, `through_matmulnbits`), with float activations and with int8 activations
   (accuracy level 4): what our kernel buys, and what onnxruntime's int8-activation path buys,
   with its max logit error against all-int4 (judged at level 2, never level 1);
+- what `infmoe-export onnx --dtype int8|int4` writes by default (all-int8 / all-int4 on int8
+  activations, options.export_choices) against the default fp32 export;
 - prefill tokens/s at 512 tokens, interleaved the same way;
 - with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
   decodes (report.memory), per precision, for both export targets.
@@ -42,6 +44,7 @@ import torch
 from infmoe_export.contract import ExportedModel
 from infmoe_export.export import export_onnx
 from infmoe_export.model import InfMoEGPT
+from infmoe_export.options import export_choices
 from infmoe_export.report.memory import files_of, measure_child
 from infmoe_export.report.timing import MatMulBandwidth, median_ms, sampled_rounds
 from infmoe_export.runtimes.ort_kernel import custom_op_library
@@ -58,6 +61,9 @@ GOALS = {"int8_speedup": 2.5, "int4_speedup": 4.0, "over_roofline": 1.3, "vs_den
          "prefill_vs_fp32": 1.0, "file_ratio_all_int4": 0.2, "peak_rss_ratio_all_int4": 0.35}
 # Not precisions of their own (their roofline is all-int4's): all-int4 through onnxruntime's MatMulNBits.
 NBITS, A8 = "all-int4, MatMulNBits", "all-int4, MatMulNBits int8 activations"
+# What the first command a user types writes (`infmoe-export onnx --dtype int8|int4`, options.export_choices):
+# all-int8 / all-int4 on int8 activations. Their rooflines are all-int8's and all-int4's.
+FIRST = {f"onnx --dtype {dtype}": dtype for dtype in ("int8", "int4")}
 AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}
 
 
@@ -125,6 +131,9 @@ def main():
         for k in ks:
             paths = {p: export_onnx(small, scratch / f"small_{p}.onnx", k=k, block_size=BLOCK, target="onnxruntime",
                                     **options).path for p, options in PRECISIONS.items()}
+            paths.update({name: export_onnx(small, scratch / f"small_{dtype}_default.onnx", k=k,
+                                            **export_choices(SMALL, [dtype])[0].options()).path
+                          for name, dtype in FIRST.items()})
             decoders = {p: Decoder(ExportedModel.read(path), args.threads) for p, path in paths.items()}
             nbits = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 1)), args.threads)
             a8 = Decoder(ExportedModel.read(through_matmulnbits(paths["all-int4"], 4)), args.threads, int8_activations())
@@ -160,6 +169,7 @@ def summarise(model, k, decode, prefill, read_gbs):
             "ratios": {"int8_speedup": fp32 / decode["int8"], "int4_speedup": fp32 / decode["int4"],
                        "all_int8_speedup": fp32 / decode["all-int8"], "all_int4_speedup": fp32 / decode["all-int4"],
                        "all_int4_nbits_speedup": fp32 / decode[NBITS], "all_int4_a8_speedup": fp32 / decode[A8],
+                       "first_command_speedup": {name: fp32 / decode[name] for name in FIRST},
                        "roofline_speedup": {p: rooflines["fp32"] / r for p, r in rooflines.items()},
                        "over_roofline": {p: decode[p] / rooflines[p] for p in PRECISIONS},
                        "vs_dense_medium_int4": {p: decode["dense-medium-int4"] / decode[p]
@@ -176,6 +186,7 @@ def print_row(row):
     d, r = row["decode_ms"], row["roofline_ms"]
     print(f"K={row['k']} (read {row['read_gbs']:.1f} GB/s): decode ms/token " +
           ", ".join(f"{p} {d[p]:.2f} (roofline {r[p]:.2f})" for p in PRECISIONS) +
+          "".join(f", {name} {d[name]:.2f}" for name in FIRST) +
           f", {NBITS} {d[NBITS]:.2f}, {A8} {d[A8]:.2f} (max |logit error| vs all-int4 "
           f"{row['a8_max_logit_error']:.3g})"
           f", dense Medium int4 {d['dense-medium-int4']:.2f}; prefill tokens/s " +
@@ -192,6 +203,9 @@ def print_summary(result):
               f"{verdict('int4_speedup', r['all_int4_speedup'])}; {NBITS} {r['all_int4_nbits_speedup']:.2f}; "
               f"{A8} {r['all_int4_a8_speedup']:.2f} (roofline allows " +
               ", ".join(f"{p} {v:.2f}" for p, v in r["roofline_speedup"].items() if p != "fp32") + ")")
+        print("  the first command vs the default fp32 export: " +
+              ", ".join(f"{name} {verdict(FIRST[name] + '_speedup', v)}"
+                        for name, v in r["first_command_speedup"].items()))
         print("  over roofline: " + ", ".join(f"{p} {verdict('over_roofline', v)}"
                                               for p, v in r["over_roofline"].items()))
         print("  vs dense Medium int4: " + ", ".join(f"{p} {verdict('vs_dense_medium_int4', v)}"

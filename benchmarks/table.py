@@ -87,7 +87,8 @@ def markdown(result: dict, source: str) -> str:
                   "a fresh process."]
     if any(c["name"].split()[1].endswith("-a8") for c in result["contenders"] if c["name"].startswith("ours")):
         lines.append("`-a8`: the same all-int4 file run with the kernel's int8 activations (session option "
-                     "`infmoe.activations = int8`).")
+                     "`infmoe.activations = int8`), what `infmoe-export onnx --dtype int4` writes by default; "
+                     "without `-a8`: float activations (`--activations float`).")
     if result["options"].get("quick"):
         lines.append("A `--quick` run: few configurations.")
     if result["skipped"]:

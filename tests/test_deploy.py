@@ -55,10 +55,13 @@ def test_deploy_certificate_and_latency(deployed):
     _, out = deployed
     certificate = json.loads((out / "certificate.json").read_text())
     assert certificate["passed"] and certificate["refused"] == [] and certificate["export"] == "onnxruntime all-int8"
-    assert certificate["backend"] == ("ort" if custom_op_library() else "ort-fallback")
+    # int8 activations, as deployed; level 1 on the same kernels' float activations
+    assert certificate["backend"] == ("ort-a8" if custom_op_library() else "ort-fallback")
+    assert certificate["export_options"]["activations"] == "int8"
     assert certificate["checkpoint_sha256"] == sha256(DEFAULT_CHECKPOINT / CONFIG_FILE, DEFAULT_CHECKPOINT / WEIGHTS_FILE)
     row, = certificate["models"]
     assert row["file"] == "k2/model.onnx" and row["sha256"] == sha256(out / "k2" / "model.onnx")
+    assert row["level1_backend"] == ("ort" if custom_op_library() else "ort-fallback")
     assert (row["status"], row["level1"], row["level2"]) == ("pass", "pass", "pass")
     assert row["start_agreement"] >= 0.99 and row["max_abs_logit_error_clean"] < 1e-3 and row["perplexity"] > 1
     assert certificate["settings"]["windows"] == 1
@@ -72,6 +75,7 @@ def test_deploy_certificate_and_latency(deployed):
                  f"infmoe-export triton-repo --checkpoint {DEFAULT_CHECKPOINT} --k 2 --for onnxruntime --dtype int8 --out repo",
                  "infmoe-export run --model k2/model.onnx"):
         assert part in readme
+    assert ('so.add_session_config_entry("infmoe.activations", "int8")' in readme) == bool(custom_op_library())
 
 
 def test_deployed_model_runs(deployed, run_cli):

@@ -167,18 +167,27 @@ def build(console, work: Path, torch_model, ks, candidates, library, limits, bud
         "export_options": choice.options(), "backend": backend,
         "kernel_library": Path(library).name if library else None, "refused": refused,
         "settings": parity["settings"],
-        "models": [{"k": model.k, "file": f"k{model.k}/{MODEL_FILE}", "sha256": sha256(model.path),
-                    **{key: row[key] for key in ("status", "level1", "level2", "start_agreement", "clean_token_share",
-                                                 "top1_agreement", "perplexity", "float_perplexity",
-                                                 "perplexity_increase", "float_top1_agreement")},
-                    "max_abs_logit_error_clean": (row["error_clean"] or row["error_all"])["max"]}
-                   for model, row in zip(models, (r for r in parity["results"] if r["backend"] == backend))],
+        "models": [certified(model, parity["results"], backend) for model in models],
         "environment": env}
     latency = {"created": created, "export": choice.label, "backend": backend, "environment": env,
                "settings": bench["settings"],
                "results": [{key: r[key] for key in ("k", "phase", "batch", "seq", "past", "iters", "latency_ms",
                                                     "tokens_per_s")} for r in bench["results"] if r["status"] == "ok"]}
     return certificate, latency
+
+
+def certified(model, results, backend: str) -> dict:
+    """A model's entry in the certificate: level 2 (and status) on the deployed backend, level 1
+    on the backend that checks it (ort beside ort-a8: the same kernels on float activations)."""
+    row = next(r for r in results if r["backend"] == backend and r["k"] == model.k)
+    checked = "ort" if backend == "ort-a8" else backend
+    level1 = next(r for r in results if r["backend"] == checked and r["k"] == model.k)
+    return {"k": model.k, "file": f"k{model.k}/{MODEL_FILE}", "sha256": sha256(model.path),
+            **{key: row[key] for key in ("status", "level2", "top1_agreement", "perplexity", "float_perplexity",
+                                         "perplexity_increase", "float_top1_agreement")},
+            "level1_backend": checked,
+            **{key: level1[key] for key in ("level1", "start_agreement", "clean_token_share")},
+            "max_abs_logit_error_clean": (level1["error_clean"] or level1["error_all"])["max"]}
 
 
 def export_flags(options: dict) -> str:
@@ -202,7 +211,7 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
     library = f"k{k}/{certificate['kernel_library']}" if kernel else None
     register = (f'so.register_custom_ops_library("{library}")  # the kernel; without it the fallback function runs'
                 if kernel else "# no kernel library was built: the models run on their fallback function")
-    if certificate["export_options"].get("activations") == "int8":  # read when the library is registered
+    if kernel and certificate["export_options"].get("activations") == "int8":  # read when the library is registered
         register = (f'so.add_session_config_entry("{ort_kernel.ACTIVATIONS}", "int8")  # as deployed: integer dot products\n'
                     + register)
     s = certificate["settings"]
