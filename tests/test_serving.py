@@ -238,8 +238,9 @@ def test_greedy_tokens_equal_run_for_k1_and_k8_in_one_server(server, repository)
 
 
 def test_all_int4_is_served_as_run_runs_it(server, repository, tmp_path):
-    """The request parameter precision=int4 runs the all-int4 model: `run --dtype int4` prints
-    the same tokens (its own export of the same choice)."""
+    """The request parameter precision=int4 runs the all-int4 model on the activations it was
+    exported for (int8): `run --dtype int4` prints the same tokens (its own export of the same
+    choice)."""
     client = FrontClient(server.http_url)
     for k in KS:
         model = ExportedModel.read(repository / f"infmoe_k{k}_int4" / "1" / "model.onnx")
@@ -426,7 +427,7 @@ def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
     written = read_repository(tmp_path / "repo")
     assert written["routes"] == {"1/int8": {
         "onnx": "infmoe_k1_int8/1/model.onnx", "triton": "infmoe_k1_int8", "past_shape": "[4, 0, 32]",
-        "shared_cache": True, "exported": "onnxruntime all-int8"}}
+        "shared_cache": True, "activations": "int8", "exported": "onnxruntime all-int8"}}
     assert written["batching"] == {"max_batch_size": cfg.MAX_BATCH, "preferred_batch_sizes": [1, 2, 4],
                                    "measured": None}
     assert list(_parse(tmp_path / "repo" / "infmoe" / "config.pbtxt").sequence_batching.oldest.preferred_batch_size) \

@@ -92,6 +92,7 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
                 routes[f"{exported.k}/{precision}"] = {"onnx": f"{name}/1/model.onnx", "triton": name,
                                                        "past_shape": json.dumps(past_shape),
                                                        "shared_cache": decoder_io.shares_cache,
+                                                       "activations": decoder_io.activations,
                                                        "exported": exported.io.label}
                 names.append(name)
                 if choice is choices[0]:

@@ -45,6 +45,7 @@ LIBRARY = "libinfmoe_ort.so"
 # onnxruntime's pool threads spin a while after a call returns; in a server the cores then go to
 # the requests and replies in flight, so they stop at once (one wake-up per call, ~25 us).
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
+ACTIVATIONS = "infmoe.activations"  # runtimes/ort_kernel.py: this file imports nothing of the package
 
 
 class RequestError(Exception):
@@ -302,13 +303,15 @@ class Pool:
             self.length = 0
 
 
-def local_session(path, threads):
-    """An onnxruntime session of a per-K model of the repository, the kernel library beside it."""
+def local_session(path, threads, activations="float"):
+    """An onnxruntime session of a per-K model of the repository, the kernel library beside it,
+    its quantized ops on the activations the model was exported for."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     library = os.path.join(os.path.dirname(os.path.dirname(path)), LIBRARY)
     if os.path.isfile(library):
+        options.add_session_config_entry(ACTIVATIONS, activations)  # read when the library is registered
         options.register_custom_ops_library(library)
     if threads:
         options.intra_op_num_threads = threads
@@ -416,10 +419,11 @@ class TritonPythonModel:
             if self.executor != "local":
                 runner = CopyRunner(bls_infer(entry["triton"]), past_names)
             elif entry.get("shared_cache"):
-                runner = SharedRunner(local_session(os.path.join(repository, entry["onnx"]), threads), past_names)
+                runner = SharedRunner(local_session(os.path.join(repository, entry["onnx"]), threads,
+                                                    entry.get("activations", "float")), past_names)
             else:
-                runner = CopyRunner(session_infer(local_session(os.path.join(repository, entry["onnx"]), threads)),
-                                    past_names)
+                runner = CopyRunner(session_infer(local_session(os.path.join(repository, entry["onnx"]), threads,
+                                                                entry.get("activations", "float"))), past_names)
             heads, _, head_dim = json.loads(entry["past_shape"])
             runner.pool = Pool(runner, past_names, rows, heads, self.n_positions, head_dim, vocab, preferred)
             self.pools[route] = runner.pool
