@@ -10,6 +10,7 @@ timed in the same interleaved loop (timing.interleaved), so their figures are co
 
 import contextlib
 import math
+import time
 from pathlib import Path
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import InfMoEError
 from ..contract import ExportedModel
 from ..runtimes import registry
-from .timing import REL_CI, interleaved, latency_summary, stable
+from .timing import REL_CI, SETTLE_S, interleaved, latency_summary, stable
 
 DEFAULT_PAST = 128
 LATENCY_NOTE = ("Latency: wall time of one call as `run` makes it (time.perf_counter): on a model with a shared "
@@ -198,35 +199,57 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
     return {"settings": settings, "results": list(results.values())}
 
 
-RUN_STEPS = 32  # decode steps of the generation each latency row is checked against
+RUN_STEPS = 32  # decode steps of the generations each latency row is checked against
+RUN_ROUNDS = 4  # blocks of them, each beside as many calls timed as the table times them
+
+
+def busy_settle():
+    """timing.settle without sleeping: the previous block's spinning threads go to sleep while
+    this thread keeps its core awake (a core left idle wakes slowly on a virtual machine)."""
+    end = time.perf_counter() + SETTLE_S
+    while time.perf_counter() < end:
+        pass
 
 
 def run_agreement(torch_model, models: List[ExportedModel], bench: dict, *, kernel: bool,
-                  threads: Optional[int] = None, steps: int = RUN_STEPS) -> List[dict]:
-    """Whether `run` sees the speed the latency table shows: per model, a generation as `run`
-    makes it (runtimes/generate.py, greedy, on the model's deployed backend) of `steps` tokens
-    after a prompt of real text, its steps' pasts centred on the table's decode past; its decode
-    steps' median and 95% interval beside the table's batch-1 decode row, agreeing when the
-    intervals overlap."""
+                  threads: Optional[int] = None, steps: int = RUN_STEPS, rounds: int = RUN_ROUNDS) -> List[dict]:
+    """Whether `run` sees the speed the latency table shows, per model on its deployed backend:
+    `rounds` rounds, each a generation as `run` makes it (runtimes/generate.py, greedy, its own
+    session, threads spinning) of steps // rounds tokens after a prompt of real text, its pasts
+    centred on the table's decode past, and as many batch-1 decode steps timed as the table
+    times them (run_bench: its own session taking turns, each step primed), every block after a
+    settle. Both are measured in the same seconds, so a machine that drifts between the table
+    and this check moves both alike: agreeing (the two 95% intervals of the median overlap) says
+    the table's method measures `run`'s speed. The table's own row is kept beside them."""
     from ..runtimes.generate import generate
     from .timing import within_noise
 
     past = bench["settings"]["decode_past"]
     rows = {(r["backend"], r["k"], r["noise"], r["dtype"]): r for r in bench["results"]
             if r["status"] == "ok" and not r["baseline"] and r["phase"] == "decode" and r["batch"] == 1}
+    block = max(1, steps // rounds)
     out = []
     for model in models:
         backend = deployed_backend(kernel, model.io.activations)
         row = rows.get((backend, model.k, model.noise, model.io.dtype))
         if row is None or not model.io.past:
             continue
-        prompt = text_tokens(max(past - steps // 2, 1))
-        steps_run = min(steps, model.io.config.n_positions - len(prompt))
-        seconds = []
-        with registry.make_runner(backend, model, torch_model, None, threads) as runner:
-            generate(runner, prompt, steps_run + 1, timings=seconds)
-        measured = latency_summary(seconds[1:])
+        prompt = text_tokens(max(past - block // 2, 1))
+        steps_run = min(block, model.io.config.n_positions - len(prompt))
+        run_seconds, table_seconds = [], []
+        with registry.make_runner(backend, model, torch_model, None, threads) as runner, \
+                registry.make_runner(backend, model, torch_model, None, threads, taking_turns=True) as table:
+            call = timed_call(table, model, 1, 1, past)
+            for _ in range(rounds):
+                busy_settle()
+                seconds = []
+                generate(runner, prompt, steps_run + 1, timings=seconds)
+                run_seconds += seconds[1:]
+                busy_settle()
+                table_seconds += interleaved([call], warmup=0, max_iters=len(seconds) - 1, budget_s=math.inf,
+                                             rel_ci=None, primed=True)[0]
+        measured, retimed = latency_summary(run_seconds), latency_summary(table_seconds)
         out.append({"backend": backend, "k": model.k, "noise": model.noise, "dtype": model.io.dtype,
-                    "steps": len(seconds) - 1, "past_from": len(prompt), "bench_ms": row["latency_ms"],
-                    "run_ms": measured, "agrees": within_noise(row["latency_ms"], measured)})
+                    "steps": len(run_seconds), "past_from": len(prompt), "bench_ms": row["latency_ms"],
+                    "table_beside_run_ms": retimed, "run_ms": measured, "agrees": within_noise(retimed, measured)})
     return out
