@@ -22,8 +22,8 @@ Per K, measured side by side in one run:
   without our kernel, `through_matmulnbits`), with float activations and with int8 activations
   (accuracy level 4): what our kernel buys, and what onnxruntime's int8-activation path buys,
   with its max logit error against all-int4 (judged at level 2, never level 1);
-- what `infmoe-export onnx --dtype int8|int4` writes by default (all-int8 / all-int4 on int8
-  activations, options.export_choices) against the default fp32 export;
+- what `infmoe-export onnx --dtype int8|int4` writes by default (all-int8 on float activations,
+  all-int4 on int8 ones: options.export_choices) against the default fp32 export;
 - prefill tokens/s at 512 tokens, interleaved the same way;
 - with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
   decodes (report.memory), per precision, for both export targets.
@@ -62,7 +62,8 @@ GOALS = {"int8_speedup": 2.5, "int4_speedup": 4.0, "over_roofline": 1.3, "vs_den
 # Not precisions of their own (their roofline is all-int4's): all-int4 through onnxruntime's MatMulNBits.
 NBITS, A8 = "all-int4, MatMulNBits", "all-int4, MatMulNBits int8 activations"
 # What the first command a user types writes (`infmoe-export onnx --dtype int8|int4`, options.export_choices):
-# all-int8 / all-int4 on int8 activations. Their rooflines are all-int8's and all-int4's.
+# all-int8 / all-int4 on the activations options.FASTER_ACTIVATIONS names. Their rooflines are all-int8's and
+# all-int4's.
 FIRST = {f"onnx --dtype {dtype}": dtype for dtype in ("int8", "int4")}
 AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}
 

@@ -90,6 +90,12 @@ def precision_list(text: str) -> List[str]:
 # together they give the fastest artifact for that runtime. The finer flags (`--quantize-other`,
 # `--target`) stay for experts-only or mixed precision and for graphs written for elsewhere.
 
+# The quantized ops' faster activations per weight precision, measured side by side by
+# benchmarks.quant_model (benchmarks/results/quant_model.json): int8 activations decode int4
+# weights faster, and int8 weights slower, than float ones.
+FASTER_ACTIVATIONS = {"int4": "int8", "int8": "float"}
+
+
 def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Optional[str] = None,
                    quantize_other: Optional[str] = None, target: Optional[str] = None,
                    block_size: Optional[int] = None, activations: Optional[str] = None) -> List[ExportChoice]:
@@ -104,9 +110,10 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
       and portable the experts, attention and the tied embedding / LM head (the router,
       LayerNorms and biases stay float); tensorrt the experts (its plugin). --quantize-other
       overrides that for the int8 / int4 models; fp32 and fp16 models stay float.
-    - The onnxruntime target's int8 / int4 models run their quantized ops on int8 activations
-      (integer dot products, judged at level 2: the fast path, as onnxruntime-genai's int4 CPU
-      models do); --activations float keeps SPEC §6's float ones, level 1. Other models are float."""
+    - The onnxruntime target's int4 models run their quantized ops on int8 activations (integer
+      dot products, judged at level 2: the faster path, as onnxruntime-genai's int4 CPU models
+      do); int8 models keep float ones (FASTER_ACTIVATIONS). --activations chooses either for
+      both. Other models are float."""
     dtypes = list(dtypes or ["fp32"])
     quantized = [d for d in dtypes if d in BITS]
     if deploy is not None and target is not None and target != deploy:
@@ -161,7 +168,7 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
     def kind(dtype: str) -> str:
         if dtype not in BITS or chosen != "onnxruntime":
             return "float"
-        return activations or "int8"
+        return activations or FASTER_ACTIVATIONS[dtype]
 
     return [ExportChoice(chosen, dtype, other(dtype), block_size if dtype in BITS else DEFAULT_BLOCK_SIZE,
                          kind(dtype), note) for dtype in dtypes]
@@ -176,9 +183,9 @@ QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the
                        "--dtype; none: the experts only).")
 
 
-ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices multiply: int8 (the default: integer "
-                    "dot products, judged by the accuracy budget) or float (SPEC §6's exact float32 path). A "
-                    "session's infmoe.activations option overrides it.")
+ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices multiply: int8 (integer dot products, "
+                    "judged by the accuracy budget; the default for int4) or float (SPEC §6's exact float32 path; "
+                    "the default for int8, where it is faster). A session's infmoe.activations option overrides it.")
 
 
 def _weight_bytes(bits: int) -> str:

@@ -55,9 +55,9 @@ def test_deploy_certificate_and_latency(deployed):
     _, out = deployed
     certificate = json.loads((out / "certificate.json").read_text())
     assert certificate["passed"] and certificate["refused"] == [] and certificate["export"] == "onnxruntime all-int8"
-    # int8 activations, as deployed; level 1 on the same kernels' float activations
-    assert certificate["backend"] == ("ort-a8" if custom_op_library() else "ort-fallback")
-    assert certificate["export_options"]["activations"] == "int8"
+    # int8 weights keep float activations (options.FASTER_ACTIVATIONS): level 1 on the deployed backend
+    assert certificate["backend"] == ("ort" if custom_op_library() else "ort-fallback")
+    assert certificate["export_options"]["activations"] == "float"
     assert certificate["checkpoint_sha256"] == sha256(DEFAULT_CHECKPOINT / CONFIG_FILE, DEFAULT_CHECKPOINT / WEIGHTS_FILE)
     row, = certificate["models"]
     assert row["file"] == "k2/model.onnx" and row["sha256"] == sha256(out / "k2" / "model.onnx")
@@ -75,7 +75,7 @@ def test_deploy_certificate_and_latency(deployed):
                  f"infmoe-export triton-repo --checkpoint {DEFAULT_CHECKPOINT} --k 2 --for onnxruntime --dtype int8 --out repo",
                  "infmoe-export run --model k2/model.onnx"):
         assert part in readme
-    assert ('so.add_session_config_entry("infmoe.activations", "int8")' in readme) == bool(custom_op_library())
+    assert "infmoe.activations" not in readme
 
 
 def test_deployed_model_runs(deployed, run_cli):
@@ -156,3 +156,30 @@ def test_interrupted_deploy_leaves_nothing(tmp_path):
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130 and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_int8_activation_certificate_takes_level_1_from_float_activations(tmp_path):
+    """A model deployed on int8 activations (ort-a8, judged at level 2) is certified at level 1 by
+    the same kernels on float activations (ort): each figure from the backend that judges it."""
+    from types import SimpleNamespace
+
+    from infmoe_export.commands.deploy import certified, export_flags
+
+    model = SimpleNamespace(k=2, path=tmp_path / "model.onnx")  # what a certificate reads of an ExportedModel
+    model.path.write_bytes(b"onnx")
+    figures = {"status": "pass", "level2": "pass", "top1_agreement": 0.9, "perplexity": 5.0, "float_perplexity": 4.9,
+               "perplexity_increase": 0.02, "float_top1_agreement": 0.95}
+    a8 = {"backend": "ort-a8", "k": 2, "level1": "n/a", "start_agreement": 0.97, "clean_token_share": 0.0,
+          "error_clean": {"max": None}, "error_all": {"max": 0.3}, **figures}
+    ort = {"backend": "ort", "k": 2, "level1": "pass", "start_agreement": 1.0, "clean_token_share": 1.0,
+           "error_clean": {"max": 2e-5}, "error_all": {"max": 2e-5}, **figures, "perplexity": 5.01}
+    entry = certified(model, [ort, a8], "ort-a8")
+    assert entry["level1_backend"] == "ort" and entry["level1"] == "pass" and entry["start_agreement"] == 1.0
+    assert entry["max_abs_logit_error_clean"] == 2e-5 and entry["perplexity"] == 5.0 and entry["level2"] == "pass"
+    assert certified(model, [ort, a8], "ort")["perplexity"] == 5.01
+    options = {"target": "onnxruntime", "dtype": "int4", "quantize_other": "int4", "block_size": 32}
+    assert export_flags({**options, "activations": "int8"}) == "--for onnxruntime --dtype int4"
+    assert export_flags({**options, "activations": "float"}) == "--for onnxruntime --dtype int4 --activations float"
+    int8 = {**options, "dtype": "int8", "quantize_other": "int8"}
+    assert export_flags({**int8, "activations": "float"}) == "--for onnxruntime --dtype int8"
+    assert export_flags({**int8, "activations": "int8"}) == "--for onnxruntime --dtype int8 --activations int8"

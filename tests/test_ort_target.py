@@ -231,17 +231,19 @@ def test_export_choices_resolve_the_flags(monkeypatch):
     assert "kernel library is not installed" in export_choices(CONFIG, ["int4"])[0].note
 
 
-def test_quantized_onnxruntime_models_take_int8_activations_by_default():
-    """The fast path by default where it runs (our kernels on the onnxruntime target), float
-    activations everywhere else and where asked for."""
+def test_int4_onnxruntime_models_take_int8_activations_by_default():
+    """The faster path by default where it runs (our kernels on the onnxruntime target): int8
+    activations for int4 weights, float ones for int8 weights and everywhere else; either where
+    asked for."""
     def kinds(*args, **kwargs):
         return [(c.dtype, c.activations) for c in export_choices(CONFIG, *args, **kwargs)]
 
-    assert kinds(["fp32", "fp16", "int8", "int4"]) == [("fp32", "float"), ("fp16", "float"), ("int8", "int8"),
+    assert kinds(["fp32", "fp16", "int8", "int4"]) == [("fp32", "float"), ("fp16", "float"), ("int8", "float"),
                                                         ("int4", "int8")]
     assert kinds(["int4"], quantize_other="none") == [("int4", "int8")]  # the experts' w_in product
     assert kinds(["fp32", "int4"], activations="float") == [("fp32", "float"), ("int4", "float")]
-    assert kinds(["fp32", "int4"], activations="int8") == [("fp32", "float"), ("int4", "int8")]
+    assert kinds(["fp32", "int8", "int4"], activations="int8") == [("fp32", "float"), ("int8", "int8"),
+                                                                  ("int4", "int8")]
     assert kinds(["int4"], deploy="portable") == kinds(["int4"], target="tensorrt") == [("int4", "float")]
     assert export_choices(CONFIG, ["int4"])[0].options()["activations"] == "int8"
 

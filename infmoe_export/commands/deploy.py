@@ -30,8 +30,8 @@ from ..errors import InfMoEError
 from ..export import export_onnx
 from ..export.hf_folder import GENAI_CONFIG_FILE, MODEL_FILE, genai_config, write_hf_folder
 from ..files import sha256, write_json
-from ..options import (WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags, export_choice_options,
-                       positive_ints)
+from ..options import (FASTER_ACTIVATIONS, WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags,
+                       export_choice_options, positive_ints)
 from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.bench import DEFAULT_PAST, checked_backends, deployed_backend, run_bench
 from ..report.render import interval, pct, ppl, sci, sig, signed_pct
@@ -198,8 +198,9 @@ def export_flags(options: dict) -> str:
         flags.append(f"--quantize-other {options['quantize_other']}")
     if quantized and options["block_size"] != DEFAULT_BLOCK_SIZE:
         flags.append(f"--block-size {options['block_size']}")
-    if quantized and options.get("activations") == "float" and options["target"] == "onnxruntime":
-        flags.append("--activations float")
+    if quantized and options["target"] == "onnxruntime" and \
+            options.get("activations", "float") != FASTER_ACTIVATIONS[options["dtype"]]:
+        flags.append(f"--activations {options.get('activations', 'float')}")
     return " ".join(flags)
 
 
