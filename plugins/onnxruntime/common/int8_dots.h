@@ -151,13 +151,16 @@ struct QuantizedTokens {
 };
 
 #if defined(__AVX2__)
-// An int8 row's group as 16-bit q in two registers (columns in order): vpmaddwd's operands, exact
-// for any stored byte (vpmaddubsw's 16-bit pair sums could saturate at 255 x 127).
-inline void WeightGroup8(const uint8_t* src, __m256i* lo, __m256i* hi) {
-  const __m256i bytes = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
-                                         _mm256_set1_epi8(static_cast<char>(0x80)));
-  *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
-  *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+// An int8 row's group of 32 q against a token's 32 int8 activations, as eight int32 partial sums:
+// vpmaddubsw takes |q| (unsigned) against the activations carrying q's sign, so no pair sum
+// exceeds 2 x 128 x 127 < 2^15 for any stored byte (q = byte - 128, the sign flip of bit 7).
+inline __m256i SignedQ8(const uint8_t* src) {
+  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
+                          _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
+inline __m256i DotGroup8(__m256i q_abs, __m256i q, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
 }
 #endif
 
@@ -178,19 +181,16 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
     for (int t = 0; t < Tt; ++t)
       for (int j = 0; j < Jr; ++j) acc[t][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      __m256i xl[Tt], xh[Tt];
-      for (int t = 0; t < Tt; ++t) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
-        xl[t] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
-        xh[t] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-      }
+      __m256i xg[Tt];
+      for (int t = 0; t < Tt; ++t)
+        xg[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
       for (int j = 0; j < Jr; ++j) {
         const auto row = w.At(lo + j);
-        __m256i wl, wh;
-        WeightGroup8(row.q + g * kGroupBytes<Bits>, &wl, &wh);
+        const __m256i q = SignedQ8(row.q + g * kGroupBytes<Bits>);
+        const __m256i q_abs = _mm256_abs_epi8(q);
         const float ws = ToFloat(row.scale[g / per_block]);
         for (int t = 0; t < Tt; ++t) {
-          const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[t]), _mm256_madd_epi16(wh, xh[t]));
+          const __m256i sum = DotGroup8(q_abs, q, xg[t]);
           const __m256 s = _mm256_set1_ps(ws * x.Scale(ids[t], g));
           acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
         }
