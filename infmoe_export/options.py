@@ -90,9 +90,9 @@ def precision_list(text: str) -> List[str]:
 # together they give the fastest artifact for that runtime. The finer flags (`--quantize-other`,
 # `--target`) stay for experts-only or mixed precision and for graphs written for elsewhere.
 
-# The quantized ops' faster activations per weight precision, measured side by side by
-# benchmarks.quant_model (benchmarks/results/quant_model.json): int8 activations decode int4
-# weights faster, and int8 weights slower, than float ones.
+# The quantized ops' faster activations per weight precision (docs/design/decisions.md): int8
+# activations decode and prefill int4 weights faster than float ones; int8 weights they decode a
+# little faster but prefill slower.
 FASTER_ACTIVATIONS = {"int4": "int8", "int8": "float"}
 
 
@@ -185,7 +185,8 @@ QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the
 
 ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices multiply: int8 (integer dot products, "
                     "judged by the accuracy budget; the default for int4) or float (SPEC §6's exact float32 path; "
-                    "the default for int8, where it is faster). A session's infmoe.activations option overrides it.")
+                    "the default for int8, whose prefill it keeps faster). A session's infmoe.activations option "
+                    "overrides it.")
 
 
 def _weight_bytes(bits: int) -> str:
