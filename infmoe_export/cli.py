@@ -6,7 +6,9 @@ dependency is missing does not break the others.
 
 import importlib
 import os
+import signal
 import sys
+import threading
 
 import click
 
@@ -61,8 +63,30 @@ def one_line(message) -> str:
     return str(message).replace("\r", "\\r").replace("\n", "\\n")
 
 
+# Set by a Ctrl-C during a command. A library may swallow the KeyboardInterrupt it raises
+# (Polygraphy's bare `except:` around its lazy imports turns it into "unsupported type"): the error
+# boundary then still reports an interruption, not an internal error.
+INTERRUPTED = {"on": False}
+
+
+def _interrupt(signum, frame):
+    INTERRUPTED["on"] = True
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     DEBUG["on"] = False
+    INTERRUPTED["on"] = False
+    previous = signal.signal(signal.SIGINT, _interrupt) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv):
     # Piped output (CI logs, `| tee`) would otherwise be cut to rich's 80-column default and
     # truncate the report tables; rich reads COLUMNS when the stream is not a terminal.
     if not sys.stdout.isatty():
@@ -90,6 +114,9 @@ def main(argv=None):
                    "for this machine", err=True)
         sys.exit(1)
     except Exception as error:  # the error boundary: one line, never a traceback, unless asked for
+        if INTERRUPTED["on"]:  # a library swallowed the Ctrl-C and then failed its own way
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         if DEBUG["on"]:
             raise
         summary = one_line(str(error).strip())[:300]

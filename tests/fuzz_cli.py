@@ -204,7 +204,10 @@ def run_one(args, interrupt):
     stdout, stderr = io.StringIO(), io.StringIO()
     code = None
 
-    def fire(signum, frame):
+    def fire(signum, frame):  # Ctrl-C: whatever SIGINT handler the command runs under
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGALRM, fire)

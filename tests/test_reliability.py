@@ -272,6 +272,26 @@ def test_a_prompt_that_fills_the_context_is_refused(make_checkpoint, run_cli, tm
     assert code == 1 and last.startswith("error: ") and "no room" in last and out == ""
 
 
+def test_a_ctrl_c_a_library_swallowed_is_still_an_interruption(run_cli, monkeypatch):
+    """Polygraphy's bare `except:` can turn a Ctrl-C into its own error: the command still exits
+    130, "interrupted", not as an internal error; the SIGINT handler is put back after."""
+    import signal
+
+    from infmoe_export.commands import doctor
+
+    def swallowing():
+        try:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # Ctrl-C, as the process gets it
+        except BaseException:
+            pass
+        raise RuntimeError("Function: dtype is unsupported for objects of type: ndarray")
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(doctor, "report", swallowing)
+    code, _, err = run_cli("doctor")
+    assert code == 130 and err.strip() == "interrupted"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_unexpected_errors_are_one_line_unless_debug(run_cli, monkeypatch):
     from infmoe_export.commands import doctor
 
