@@ -33,7 +33,7 @@ from ..files import sha256, write_json
 from ..options import (FASTER_ACTIVATIONS, WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags,
                        export_choice_options, positive_ints)
 from ..quant import DEFAULT_BLOCK_SIZE
-from ..report.bench import DEFAULT_PAST, checked_backends, deployed_backend, run_bench
+from ..report.bench import DEFAULT_PAST, checked_backends, deployed_backend, level1_backend, run_bench
 from ..report.render import interval, pct, ppl, sci, sig, signed_pct
 from ..report.timing import REL_CI, environment
 from ..runtimes import ort_kernel
@@ -180,7 +180,7 @@ def certified(model, results, backend: str) -> dict:
     """A model's entry in the certificate: level 2 (and status) on the deployed backend, level 1
     on the backend that checks it (ort beside ort-a8: the same kernels on float activations)."""
     row = next(r for r in results if r["backend"] == backend and r["k"] == model.k)
-    checked = "ort" if backend == "ort-a8" else backend
+    checked = level1_backend(backend)
     level1 = next(r for r in results if r["backend"] == checked and r["k"] == model.k)
     return {"k": model.k, "file": f"k{model.k}/{MODEL_FILE}", "sha256": sha256(model.path),
             **{key: row[key] for key in ("status", "level2", "top1_agreement", "perplexity", "float_perplexity",

@@ -108,7 +108,8 @@ def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_
                           "what to export; they cannot be combined with --model")
     if engines is not None and (model_path is not None or checkpoint is not None or no_kernel or chosen):
         raise InfMoEError("--engines runs a TensorRT engine; it cannot be combined with --model, --checkpoint, "
-                          "--no-kernel or the export choice (--for, --dtype, --quantize-other, --block-size, --activations)")
+                          "--no-kernel or the export choice (--for, --dtype, --quantize-other, --block-size, "
+                          "--activations)")
     sampling = temperature is not None or top_k is not None
     temperature = 1.0 if temperature is None else temperature
     # The prompt's own bytes: a byte-level model takes any, UTF-8 or not (click hands over

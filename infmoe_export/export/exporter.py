@@ -373,7 +373,8 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
     quantize_other that of attention and the tied embedding / LM head (docs/guide/quantization.md);
     activations the quantized ops' kind a session runs by default (contract.ACTIVATION_KINDS,
-    written as metadata; a session's option overrides it); opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it.
+    written as metadata; a session's option overrides it); opset defaults to DEFAULT_OPSET, or 21
+    where DequantizeLinear needs it.
 
     Either architecture, by its config's model_type: a conventional MoE (MoEGPT) gets onnxruntime's
     MoE / QMoE experts (moe.py); its K is top_k and its noise none (DecoderIO refuses others), at

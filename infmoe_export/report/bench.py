@@ -10,7 +10,6 @@ timed in the same interleaved loop (timing.interleaved), so their figures are co
 
 import contextlib
 import math
-import time
 from pathlib import Path
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -19,7 +18,7 @@ import numpy as np
 from ..errors import InfMoEError
 from ..contract import ExportedModel
 from ..runtimes import registry
-from .timing import REL_CI, SETTLE_S, interleaved, latency_summary, stable
+from .timing import REL_CI, busy_settle, interleaved, latency_summary, stable
 
 DEFAULT_PAST = 128
 LATENCY_NOTE = ("Latency: wall time of one call as `run` makes it (time.perf_counter): on a model with a shared "
@@ -114,7 +113,13 @@ def checked_backends(kernel: Optional[bool], activations: Sequence[str]) -> List
     """The deployed backends of models exported with these activations, and ort beside ort-a8:
     its float activations are the level-1 check of the same kernels (SPEC §6)."""
     deployed = {deployed_backend(kernel, a) for a in activations}
-    return [b for b in registry.BACKENDS if b in deployed or (b == "ort" and "ort-a8" in deployed)]
+    return [b for b in registry.BACKENDS if b in deployed or b in {level1_backend(d) for d in deployed}]
+
+
+def level1_backend(backend: str) -> str:
+    """The backend that checks a deployed one at level 1: itself, or for ort-a8 (judged at level
+    2 only) ort, the same kernels on float activations."""
+    return "ort" if backend == "ort-a8" else backend
 
 
 def why_not(backend: str, model: ExportedModel, engines) -> Optional[str]:
@@ -201,14 +206,6 @@ def run_bench(torch_model, models: List[ExportedModel], *, backends: Sequence[st
 
 RUN_STEPS = 32  # decode steps of the generations each latency row is checked against
 RUN_ROUNDS = 4  # blocks of them, each beside as many calls timed as the table times them
-
-
-def busy_settle():
-    """timing.settle without sleeping: the previous block's spinning threads go to sleep while
-    this thread keeps its core awake (a core left idle wakes slowly on a virtual machine)."""
-    end = time.perf_counter() + SETTLE_S
-    while time.perf_counter() < end:
-        pass
 
 
 def run_agreement(torch_model, models: List[ExportedModel], bench: dict, *, kernel: bool,

@@ -146,6 +146,14 @@ def settle():
     time.sleep(SETTLE_S)
 
 
+def busy_settle():
+    """settle without sleeping: the previous runtime's spinning threads go to sleep while this
+    thread keeps its core awake (a core left idle wakes slowly on a virtual machine)."""
+    end = time.perf_counter() + SETTLE_S
+    while time.perf_counter() < end:
+        pass
+
+
 def sampled_rounds(samplers: Dict[object, Callable[[], float]], count: int,
                    probe: Optional[Callable[[], float]] = None, seed: int = 0):
     """`count` rounds; in each, every sampler once in a shuffled order, each after a settle (and
