@@ -191,6 +191,27 @@ inline void AxpyRows(const FloatRows<T, kIntel>& w, int64_t i, int64_t stride, c
     for (int r = 0; r < Rows; ++r) out[full] += c[r] * w.Values(row[r], full, tail);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The 32 stored bytes u = q + 128 of an int8 row's block (block_size 32) as 4 units of q in
+// floats: per 8 columns one widening load and an integer subtraction (exact). The units' loop of
+// Values (a load, sign flip and widening per 8 columns) kept its loop bounds in memory.
+inline void Int8Block(const uint8_t* src, Lanes<8>* v) {
+  const __m256i offset = _mm256_set1_epi32(128);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * k)));
+    v[k] = reinterpret_cast<Lanes<8>>(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, offset)));
+  }
+}
+template <class Format>
+constexpr bool kInt8Rows = false;
+template <typename T>
+constexpr bool kInt8Rows<QuantRows<8, T>> = true;
+inline Lanes<8> Fma(Lanes<8> a, Lanes<8> b, Lanes<8> c) {
+  return reinterpret_cast<Lanes<8>>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                    reinterpret_cast<__m256>(c)));
+}
+#endif
+
 // Quantized rows: q . x per block, then one FMA by the block's scale (instead of scaling x per
 // unit), blocks alternating between two chains. The arithmetic, not memory, bounds these loops.
 template <int Bits, typename T>
@@ -200,12 +221,30 @@ inline float Dot(const QuantRows<Bits, T>& w, int64_t i, const Lanes<kWide>* x, 
   const int64_t per_block = int64_t{1} << w.block_shift;
   // Named chains, not an array indexed by b: GCC keeps an indexed array in memory.
   Lanes<W> even = {}, odd = {};
-  int64_t b = 0;
-  for (int64_t u = 0; u < full; ++b) {
+  int64_t b = 0, u = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (Bits == 8) {
+    if (per_block % 4 == 0) {  // blocks of whole 32-column chunks: the same products, FMAs and order
+      for (; u + per_block <= full; ++b) {
+        Lanes<W> v[4];
+        Int8Block(row.q + u * W, v);
+        Lanes<W> p = v[0] * x[u];
+        for (int k = 1; k < 4; ++k) p = Fma(v[k], x[u + k], p);
+        for (u += 4; u & (per_block - 1); u += 4) {
+          Int8Block(row.q + u * W, v);
+          for (int k = 0; k < 4; ++k) p = Fma(v[k], x[u + k], p);
+        }
+        (b & 1 ? odd : even) += p * w.Scale(row, b);
+      }
+    }
+  }
+#endif
+  while (u < full) {
     const int64_t end = std::min(u + per_block, full);
     Lanes<W> p = w.Values(row, u, W) * x[u];
     for (++u; u < end; ++u) p += w.Values(row, u, W) * x[u];
     (b & 1 ? odd : even) += p * w.Scale(row, b);
+    ++b;
   }
   if (tail) even += (w.Values(row, full, tail) * x[full]) * w.Scale(row, full >> w.block_shift);
   return SumLanes<W>(even + odd);
@@ -217,7 +256,22 @@ inline void Axpy(const Format& w, int64_t i, float h, int64_t full, int64_t tail
   constexpr int W = Format::kWidth;
   const typename Format::Row row = w.At(i);
   const int64_t per_block = int64_t{1} << w.block_shift;
-  for (int64_t lo = 0, b = 0; lo < full; lo += per_block, ++b) {
+  int64_t lo = 0, b = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (kInt8Rows<Format>) {
+    if (per_block % 4 == 0) {  // blocks of whole 32-column chunks: the same FMAs
+      for (; lo + per_block <= full; lo += per_block, ++b) {
+        const Lanes<W> c = Lanes<W>{} + h * w.Scale(row, b);
+        for (int64_t u = lo; u < lo + per_block; u += 4) {
+          Lanes<W> v[4];
+          Int8Block(row.q + u * W, v);
+          for (int k = 0; k < 4; ++k) out[u + k] = Fma(c, v[k], out[u + k]);
+        }
+      }
+    }
+  }
+#endif
+  for (; lo < full; lo += per_block, ++b) {
     const float c = h * w.Scale(row, b);
     for (int64_t u = lo; u < std::min(lo + per_block, full); ++u) out[u] += c * w.Values(row, u, W);
   }
@@ -358,6 +412,23 @@ void DequantizeRow(const QuantRows<4, T>& w, int64_t i, float* dst) {
     for (int k = 0; k < 4; ++k) {
       const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(units[k]));
       _mm256_storeu_ps(dst + 32 * c + 8 * k, _mm256_mul_ps(q, _mm256_set1_ps(w.Scale(row, (4 * c + k) >> w.block_shift))));
+    }
+  }
+  DequantizeUnits(w, row, 4 * chunks, dst);
+}
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// int8 rows on AVX2: 32 columns a chunk (Int8Block); the same q times the same scale.
+template <typename T>
+void DequantizeRow(const QuantRows<8, T>& w, int64_t i, float* dst) {
+  const auto row = w.At(i);
+  const int64_t chunks = w.d / 32;
+  for (int64_t c = 0; c < chunks; ++c) {
+    Lanes<8> v[4];
+    Int8Block(row.q + 32 * c, v);
+    for (int k = 0; k < 4; ++k) {
+      const Lanes<8> scaled = v[k] * w.Scale(row, (4 * c + k) >> w.block_shift);
+      std::memcpy(dst + 32 * c + 8 * k, &scaled, sizeof scaled);
     }
   }
   DequantizeUnits(w, row, 4 * chunks, dst);
