@@ -26,6 +26,12 @@ shuffled order:
   step of a sequence at about the same past; the medians of the served token, of the step and of
   their differences. Token by token, a load that drifts falls on both alike.
 
+- the front model's own work: its pool and runner (serving/tritonserver_model.py) in this process,
+  without Triton, each of --tokens tokens served right after a step of the same session on a
+  cache of its own; the median difference is what the front model's Python adds to a token, and
+  the paired difference above less it is Triton's own (its HTTP endpoint and the Python
+  backend's hand-over of each request to the model's process).
+
 Then the goals, each the median over rounds of the round's own figure (a round's figures are
 measured within a minute of each other; rounds on a shared machine may be far apart): at 1
 stream, a served token minus the session's batch-1 step, paired token by token (goal <= 1.5 ms;
@@ -106,6 +112,52 @@ def session_steps(repo: Path, past: int, span: int, threads: int) -> dict:
     return steps
 
 
+def front_model_steps(repo: Path, threads: int, route_key: str = f"{K}/{PRECISION}"):
+    """A step of the front model's own work without Triton, and the same session's step: its Pool
+    and SharedRunner (serving/tritonserver_model.py, as the server runs them) serving one greedy
+    sequence, and a SharedCache of one sequence on the same session (so the two differ in the front
+    model's Python alone). Returns (restart(), served(), alone()): a new sequence on both sides
+    after the same prompt; one token of each, on the last served token, giving the greedy next."""
+    from infmoe_export.contract import ExportedModel
+    from infmoe_export.runtimes.ort import SharedCache
+    from infmoe_export.serving.load import PROMPTS
+    from infmoe_export.serving.repository import read_repository
+    from infmoe_export.serving.tritonserver_model import BYTE_VOCAB, Pool, Sequence, SharedRunner, Step, local_session
+
+    route = read_repository(repo)["routes"][route_key]
+    exported = ExportedModel.read(repo / route["onnx"])
+    session = local_session(str(repo / route["onnx"]), threads, route.get("activations", "float"))
+    io, config = exported.io, exported.io.config
+    runner = SharedRunner(session, io.past_names)
+    runner.pool = Pool(runner, io.past_names, 1, config.n_head, config.n_positions, config.head_dim,
+                       config.vocab_size)
+    prompt = np.frombuffer(PROMPTS[0], np.uint8).astype(np.int64)
+    state = {"sequence": None, "cache": None, "token": None}
+
+    def restart():
+        if state["sequence"] is not None:
+            runner.pool.release(state["sequence"])
+        state["sequence"] = sequence = Sequence(route_key)
+        first = Step(0, 1, sequence, prompt, False, False)
+        runner.pool.serve([first])
+        state["cache"] = SharedCache(session, io)
+        state["cache"].step(prompt[None])
+        state["token"] = first.token
+
+    def served():
+        step = Step(0, 1, state["sequence"], np.array([state["token"]], np.int64), False, False)
+        runner.pool.serve([step])
+        state["token"] = step.token
+        return step.token
+
+    def alone():
+        logits = state["cache"].step(np.array([[state["token"]]], np.int64))["logits"]
+        return int(np.argmax(logits[0, -1, :BYTE_VOCAB]))
+
+    restart()
+    return restart, served, alone
+
+
 SERVER_TIMES = ("request_duration", "queue_duration", "compute_input_duration", "compute_infer_duration",
                 "compute_output_duration")
 
@@ -154,7 +206,9 @@ def summary(rounds: list) -> dict:
     in_server = {s: {key: statistics.median(r["server"][s]["in_server"][key] for r in rounds)
                      for key in rounds[0]["server"][s]["in_server"]} for s in streams}
     paired = {key: statistics.median(r["paired"][key] for r in rounds) for key in rounds[0]["paired"]}
-    return {"session_ms": session, "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
+    front = {key: statistics.median(r["front_model"][key] for r in rounds) for key in rounds[0]["front_model"]}
+    return {"front_model": front, "session_ms": session,
+            "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
             "server": server, "in_server": in_server, "paired": paired,
             "load_test_p50_minus_session_ms": statistics.median(r["server"]["1"]["p50_ms"] - r["session_ms"]["1"]
                                                                 for r in rounds)}
@@ -234,14 +288,38 @@ def main(argv=None):
             return {"served_p50_ms": statistics.median(served), "session_ms": statistics.median(alone),
                     "overhead_ms": statistics.median(a - b for a, b in zip(served, alone))}
 
+        restart, front_served, front_alone = front_model_steps(repo, args.threads)
+
+        def front_model():
+            """The front model's own work, in this process: each of --tokens tokens served by its
+            pool right after a step of the same session; the medians and of their differences."""
+            settle()
+            restart()
+            served, alone = [], []
+            for _ in range(args.tokens):
+                began = time.perf_counter()
+                front_alone()
+                middle = time.perf_counter()
+                front_served()
+                served.append((time.perf_counter() - middle) * 1e3)
+                alone.append((middle - began) * 1e3)
+            return {"served_ms": statistics.median(served), "session_ms": statistics.median(alone),
+                    "overhead_ms": statistics.median(a - b for a, b in zip(served, alone))}
+
         rounds = []
         with TritonServer(repo) as server:
             run_load(server.http_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # warm up
-            order = list(STREAMS) + ["paired"]
+            order = list(STREAMS) + ["paired", "front model"]
             for number in range(args.rounds):
                 random.Random(number).shuffle(order)
                 found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}}
                 for streams in order:
+                    if streams == "front model":
+                        found["front_model"] = front = front_model()
+                        log(f"round {number + 1}: the front model in this process, no Triton: served "
+                            f"{front['served_ms']:.2f}, session {front['session_ms']:.2f}, difference "
+                            f"{front['overhead_ms']:.2f} ms")
+                        continue
                     if streams == "paired":
                         found["paired"] = pair = paired()
                         log(f"round {number + 1}: 1 stream paired with the session: served "
@@ -286,6 +364,10 @@ def print_result(result: dict) -> None:
     print(f"1 stream, each token right after a session step: served {paired['served_p50_ms']:.2f} ms, session "
           f"{paired['session_ms']:.2f} ms, difference {paired['overhead_ms']:.2f} ms (the load test's p50 minus the "
           f"session's step around it: {median['load_test_p50_minus_session_ms']:.2f} ms)")
+    front = median["front_model"]
+    print(f"the front model's own work, in this process without Triton: {front['overhead_ms']:.2f} ms a token over "
+          f"the session's step ({front['served_ms']:.2f} against {front['session_ms']:.2f} ms); the rest of the "
+          f"difference above is Triton's: its HTTP endpoint and the Python backend's hand-over to the model")
     for goal in result["goals"]:
         print(f"{goal['what']}: {goal['value']} (goal {goal['goal']}: {'met' if goal['met'] else 'missed'})")
 

@@ -113,7 +113,9 @@ def write_results(folder, result):
 
 
 def test_table_rewrites_only_the_block(tmp_path):
-    results = write_results(tmp_path / "results", fake_result(skipped={"llama.cpp Medium": "not built"}))
+    result = fake_result(skipped={"llama.cpp Medium": "not built"})
+    result["contenders"] += [{"name": peers.ours_name("fp32", 1)}, {"name": peers.llama_name("Small", "F16")}]
+    results = write_results(tmp_path / "results", result)
     readme = tmp_path / "README.md"
     readme.write_text(f"# Title\n\nbefore\n{table.BEGIN}\nold table\n{table.END}\nafter\n")
     table.main(["--results", str(results), "--readme", str(readme)])
@@ -128,6 +130,8 @@ def test_table_rewrites_only_the_block(tmp_path):
     assert "Test CPU 9000, 2 cores (load average 0.2 over the last 5 minutes), 2 threads; Python 3.11.7, infmoe-export 0.1.0, onnxruntime 1.32.0, " \
            "llama-cpp-python 0.3.36, torch 2.13.0." in block
     assert "Not measured: llama.cpp Medium (not built)." in block
+    assert "ours fp32 K=1" not in block and "Small F16" not in block  # the README's rows: K = 2, Q4_0 (and K = 8 int4)
+    assert "Shown: 4 of the 6 contenders" in block
     assert "- batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0: 1.43 (met: at least 1.3)" in block
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "results"]  # no temporary file left
     table.main(["--results", str(results), "--readme", str(readme)])
@@ -174,7 +178,7 @@ def test_peers_refuses_a_plan_that_does_not_fit_before_allocating(monkeypatch):
 
     monkeypatch.setattr(peers, "available_memory_bytes", lambda: 4 * 2**30)
     with pytest.raises(SystemExit) as exit_info:
-        peers.check_memory(peers.Plan(), SMALL)  # B = 32: three 2.4 GB caches
+        peers.check_memory(peers.Plan(), SMALL)  # B = 32: a 2.4 GB cache per precision
     assert "GiB (B = 32), 4.0 GiB is available: use --quick" in str(exit_info.value.code)
     peers.check_memory(peers.QUICK, SMALL)
     assert peers.kv_cache_bytes(SMALL, 32) == 2 * 12 * 32 * 1024 * 768 * 4

@@ -488,13 +488,15 @@ def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
                "in_server": {"request_ms": 1.0, "queue_ms": 0.1, "compute_infer_ms": 0.8, "requests_per_execution": 1}}
         return {"session_ms": {"1": step_1, "16": step_16},
                 "server": {"1": {**row, "p50_ms": p50_1}, "4": row, "16": {**row, "steady_tokens_per_s": steady_16}},
-                "paired": {"served_p50_ms": p50_1, "session_ms": step_1, "overhead_ms": p50_1 - step_1}}
+                "paired": {"served_p50_ms": p50_1, "session_ms": step_1, "overhead_ms": p50_1 - step_1},
+                "front_model": {"served_ms": step_1 + 0.1, "session_ms": step_1, "overhead_ms": 0.1}}
 
     # overheads 1.0, 2.0, 0.5 ms -> 1.0; shares 0.9, 0.7, 0.85 of 200 tokens/s -> 0.85
     rounds = [round_of(10.0, 11.0, 80.0, 180.0), round_of(12.0, 14.0, 80.0, 140.0), round_of(9.0, 9.5, 80.0, 170.0)]
     verdicts = {goal["what"]: (goal["value"], goal["met"]) for goal in bench.goals(rounds)}
     assert list(verdicts.values()) == [(1.0, True), (0.85, True)]
     assert bench.summary(rounds)["session_tokens_per_s"]["16"] == 200.0
+    assert bench.summary(rounds)["front_model"]["session_ms"] == 10.0
     before = {"request_success": 10, "count": 10, "exec_count": 4, **{f"{k}_us": 0.0 for k in bench.SERVER_TIMES}}
     after = {**before, "request_success": 30, "count": 30, "exec_count": 9, "request_duration_us": 50_000.0,
              "queue_duration_us": 4_000.0}
@@ -506,3 +508,22 @@ def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
             bench.parse_args(argv)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and f"argument {flag}" in err.strip().splitlines()[-1]
+
+
+def test_serving_benchmark_times_the_front_model_beside_its_own_session(repository):
+    """benchmarks.serving's in-process measurement: the front model's pool and a plain cache on the
+    same session, fed the same tokens, give the same greedy tokens (so their difference in time is
+    the front model's own work), and a restart starts both over."""
+    from benchmarks import serving as bench
+
+    restart, served, alone = bench.front_model_steps(repository, 1, f"{KS[-1]}/int4")
+    tokens = []
+    for _ in range(2):
+        restart()
+        run = []
+        for _ in range(4):
+            expected = alone()
+            run.append(served())
+            assert run[-1] == expected
+        tokens.append(run)
+    assert tokens[0] == tokens[1]
