@@ -192,9 +192,10 @@ inline void AxpyRows(const FloatRows<T, kIntel>& w, int64_t i, int64_t stride, c
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// The 32 stored bytes u = q + 128 of an int8 row's block (block_size 32) as 4 units of q in
-// floats: per 8 columns one widening load and an integer subtraction (exact). The units' loop of
-// Values (a load, sign flip and widening per 8 columns) kept its loop bounds in memory.
+// 32 columns of an int8 row (stored u = q + 128) as 4 units of q in floats: per 8 columns one
+// widening load and an integer subtraction (exact). The loops below take a block's chunks of 32
+// this way; the units' loop of Values (a load, sign flip and widening per 8 columns) kept its loop
+// bounds in memory.
 inline void Int8Block(const uint8_t* src, Lanes<8>* v) {
   const __m256i offset = _mm256_set1_epi32(128);
   for (int k = 0; k < 4; ++k) {
