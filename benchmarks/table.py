@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from infmoe_export.files import atomic_write
+from infmoe_export.report.small_model import in_summary
 
 from . import record
 
@@ -60,18 +61,6 @@ def batch_columns(result: dict) -> List[int]:
     return shown
 
 
-def in_readme(name: str) -> bool:
-    """The rows the README shows: ours at K = 2 in every precision and int4 at K = 8 (against the
-    Medium model), onnxruntime's MatMulNBits model, and llama.cpp at Q4_0 (the goals' peers). The
-    JSON and the benchmark's own printout hold every contender."""
-    words = name.split()
-    if words[0] == "ours":
-        return words[-1] == "K=2" or (words[1].startswith("all-int4") and words[-1] == "K=8")
-    if words[0] == "llama.cpp":
-        return words[-1] == "Q4_0"
-    return True
-
-
 def markdown(result: dict, source: str) -> str:
     """The block between the markers."""
     threads = result["options"]["threads"]
@@ -81,7 +70,7 @@ def markdown(result: dict, source: str) -> str:
               [f"batched B = {b}: tokens/s" for b in batches] +
               [f"prefill {r['tokens']}: tokens/s" for r in result["prefill"]] + ["peak RSS: MiB"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    shown = [c["name"] for c in result["contenders"] if in_readme(c["name"])]
+    shown = [c["name"] for c in result["contenders"] if in_summary(c["name"])]
     for name in shown:
         memory = (result.get("memory") or {}).get(name, {})
         cells = ([name] + [fmt(r["ms"].get(name), 2) for r in result["decode"]] +
@@ -97,8 +86,8 @@ def markdown(result: dict, source: str) -> str:
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
                   "a fresh process." + ("" if len(shown) == len(result["contenders"]) else
-                                        f" Shown: {len(shown)} of the {len(result['contenders'])} contenders "
-                                        "(ours at K = 2, and int4 at K = 8; llama.cpp at Q4_0); the JSON holds all.")]
+                                        f" Shown: {len(shown)} of its {len(result['contenders'])} contenders "
+                                        "(ours at K = 2, and int4 at K = 8; llama.cpp at Q4_0).")]
     if any(c["name"].split()[1].endswith("-a8") for c in result["contenders"] if c["name"].startswith("ours")):
         lines.append("`-a8`: the same all-int4 file run with the kernel's int8 activations (session option "
                      "`infmoe.activations = int8`), what `infmoe-export onnx --dtype int4` writes by default; "

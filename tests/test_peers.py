@@ -131,7 +131,7 @@ def test_table_rewrites_only_the_block(tmp_path):
            "llama-cpp-python 0.3.36, torch 2.13.0." in block
     assert "Not measured: llama.cpp Medium (not built)." in block
     assert "ours fp32 K=1" not in block and "Small F16" not in block  # the README's rows: K = 2, Q4_0 (and K = 8 int4)
-    assert "Shown: 4 of the 6 contenders" in block
+    assert "Shown: 4 of its 6 contenders" in block
     assert "- batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0: 1.43 (met: at least 1.3)" in block
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "results"]  # no temporary file left
     table.main(["--results", str(results), "--readme", str(readme)])

@@ -736,7 +736,7 @@ def test_read_model_refuses_non_onnx(tmp_path):
 def peers_results() -> dict:
     """A file in the layout `python -m benchmarks.peers` writes (only what the table reads, and
     some it does not)."""
-    names = ["ours all-int4 K=2", "llama.cpp Medium Q4_0"]
+    names = ["ours all-int4 K=2", "llama.cpp Medium Q4_0", "llama.cpp Medium F16"]
     return {"benchmark": "peers", "machine": {"cpu": "Test CPU", "date": "2030-01-01T00:00:00+00:00", "cores": 2},
             "options": {"threads": 2, "quick": False}, "plan": {},
             "contenders": [{"name": name, "runtime": "x"} for name in names],
@@ -762,6 +762,8 @@ def test_small_model_table_is_read_and_labelled(setup, tmp_path):
     assert "| ours all-int4 K=2 | 4.00 | 800 | 900 |" in markdown
     assert "| llama.cpp Medium Q4_0 | 14.0 | — | 300 |" in markdown
     assert "Not measured: llama.cpp Small F16 (no llama_cpp)." in markdown
+    assert "Medium F16" not in markdown  # a row a summary leaves out
+    assert "Shown: 2 of its 3 contenders" in markdown and section["contenders"] == 3
 
 
 @pytest.mark.parametrize("content, message", [
