@@ -158,6 +158,31 @@ def front_model_steps(repo: Path, threads: int, route_key: str = f"{K}/{PRECISIO
     return restart, served, alone
 
 
+# The measurements that time a served token right after a session step, by their names in a
+# round's shuffled order -> their keys in the round's results.
+PAIRINGS = {"1 stream paired with the session": "paired",
+            "the front model in this process, no Triton": "front_model"}
+
+
+def side_by_side(alone, served, tokens: int, skip: int = 0) -> dict:
+    """For each of `tokens` tokens, alone(index) and right after it served(index): the medians, ms,
+    of each and of their differences (the first `skip` tokens left out). Token by token, a load
+    that drifts falls on both alike."""
+    from infmoe_export.report.timing import settle
+
+    settle()
+    times = []
+    for index in range(tokens):
+        began = time.perf_counter()
+        alone(index)
+        middle = time.perf_counter()
+        served(index)
+        times.append(((time.perf_counter() - middle) * 1e3, (middle - began) * 1e3))
+    times = times[skip:]
+    return {"served_ms": statistics.median(t[0] for t in times), "session_ms": statistics.median(t[1] for t in times),
+            "overhead_ms": statistics.median(t[0] - t[1] for t in times)}
+
+
 SERVER_TIMES = ("request_duration", "queue_duration", "compute_input_duration", "compute_infer_duration",
                 "compute_output_duration")
 
@@ -266,65 +291,41 @@ def main(argv=None):
 
         def paired():
             """One stream whose every token is served right after a session step of one sequence
-            at about the same past: per round, the medians of each and of their differences (the
-            prompt's first token left out)."""
-            settle()
+            at about the same past (the prompt's first token left out)."""
             client = FrontClient(server.http_url)
-            sequence, ids, served, alone = new_sequence_id(), list(PROMPTS[0]), [], []
+            state = {"sequence": new_sequence_id(), "ids": list(PROMPTS[0])}
+
+            def served(index):
+                first, last = index == 0, index == args.tokens - 1
+                token, _ = client.step(state["sequence"], state["ids"], start=first, end=last,
+                                       k=K if first else None, precision=PRECISION if first else None, logits=False)
+                state["ids"] = [token]
             try:
-                for index in range(args.tokens):
-                    began = time.perf_counter()
-                    steps[1]()
-                    middle = time.perf_counter()
-                    first, last = index == 0, index == args.tokens - 1
-                    token, _ = client.step(sequence, ids, start=first, end=last, k=K if first else None,
-                                           precision=PRECISION if first else None, logits=False)
-                    served.append((time.perf_counter() - middle) * 1e3)
-                    alone.append((middle - began) * 1e3)
-                    ids = [token]
+                return side_by_side(lambda index: steps[1](), served, args.tokens, skip=1)
             finally:
                 client.close()
-            served, alone = served[1:], alone[1:]
-            return {"served_p50_ms": statistics.median(served), "session_ms": statistics.median(alone),
-                    "overhead_ms": statistics.median(a - b for a, b in zip(served, alone))}
 
         restart, front_served, front_alone = front_model_steps(repo, args.threads)
 
         def front_model():
-            """The front model's own work, in this process: each of --tokens tokens served by its
-            pool right after a step of the same session; the medians and of their differences."""
-            settle()
+            """The front model's own work, in this process: each token served by its pool right
+            after a step of the same session."""
             restart()
-            served, alone = [], []
-            for _ in range(args.tokens):
-                began = time.perf_counter()
-                front_alone()
-                middle = time.perf_counter()
-                front_served()
-                served.append((time.perf_counter() - middle) * 1e3)
-                alone.append((middle - began) * 1e3)
-            return {"served_ms": statistics.median(served), "session_ms": statistics.median(alone),
-                    "overhead_ms": statistics.median(a - b for a, b in zip(served, alone))}
+            return side_by_side(lambda index: front_alone(), lambda index: front_served(), args.tokens)
 
         rounds = []
         with TritonServer(repo) as server:
             run_load(server.http_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # warm up
-            order = list(STREAMS) + ["paired", "front model"]
+            order = list(STREAMS) + list(PAIRINGS)
             for number in range(args.rounds):
                 random.Random(number).shuffle(order)
                 found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}}
                 for streams in order:
-                    if streams == "front model":
-                        found["front_model"] = front = front_model()
-                        log(f"round {number + 1}: the front model in this process, no Triton: served "
-                            f"{front['served_ms']:.2f}, session {front['session_ms']:.2f}, difference "
-                            f"{front['overhead_ms']:.2f} ms")
-                        continue
-                    if streams == "paired":
-                        found["paired"] = pair = paired()
-                        log(f"round {number + 1}: 1 stream paired with the session: served "
-                            f"{pair['served_p50_ms']:.2f}, session {pair['session_ms']:.2f}, difference "
-                            f"{pair['overhead_ms']:.2f} ms")
+                    if streams in PAIRINGS:
+                        key = PAIRINGS[streams]
+                        found[key] = pair = {"paired": paired, "front_model": front_model}[key]()
+                        log(f"round {number + 1}: {streams}: served {pair['served_ms']:.2f}, session "
+                            f"{pair['session_ms']:.2f}, difference {pair['overhead_ms']:.2f} ms")
                         continue
                     # the session's step of as many sequences just before and just after the load, against drift
                     batch = streams if streams in SESSION_BATCHES else None
@@ -361,7 +362,7 @@ def print_result(result: dict) -> None:
         print(f"| {streams} | {row['request_ms']:.2f} | {row['queue_ms']:.2f} | {row['compute_infer_ms']:.2f} | "
               f"{row['requests_per_execution']:.2f} |")
     paired = median["paired"]
-    print(f"1 stream, each token right after a session step: served {paired['served_p50_ms']:.2f} ms, session "
+    print(f"1 stream, each token right after a session step: served {paired['served_ms']:.2f} ms, session "
           f"{paired['session_ms']:.2f} ms, difference {paired['overhead_ms']:.2f} ms (the load test's p50 minus the "
           f"session's step around it: {median['load_test_p50_minus_session_ms']:.2f} ms)")
     front = median["front_model"]

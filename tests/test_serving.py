@@ -488,7 +488,7 @@ def test_serving_benchmark_judges_each_round_and_refuses_bad_arguments(capsys):
                "in_server": {"request_ms": 1.0, "queue_ms": 0.1, "compute_infer_ms": 0.8, "requests_per_execution": 1}}
         return {"session_ms": {"1": step_1, "16": step_16},
                 "server": {"1": {**row, "p50_ms": p50_1}, "4": row, "16": {**row, "steady_tokens_per_s": steady_16}},
-                "paired": {"served_p50_ms": p50_1, "session_ms": step_1, "overhead_ms": p50_1 - step_1},
+                "paired": {"served_ms": p50_1, "session_ms": step_1, "overhead_ms": p50_1 - step_1},
                 "front_model": {"served_ms": step_1 + 0.1, "session_ms": step_1, "overhead_ms": 0.1}}
 
     # overheads 1.0, 2.0, 0.5 ms -> 1.0; shares 0.9, 0.7, 0.85 of 200 tokens/s -> 0.85
