@@ -158,12 +158,6 @@ def front_model_steps(repo: Path, threads: int, route_key: str = f"{K}/{PRECISIO
     return restart, served, alone
 
 
-# The measurements that time a served token right after a session step, by their names in a
-# round's shuffled order -> their keys in the round's results.
-PAIRINGS = {"1 stream paired with the session": "paired",
-            "the front model in this process, no Triton": "front_model"}
-
-
 def side_by_side(alone, served, tokens: int, skip: int = 0) -> dict:
     """For each of `tokens` tokens, alone(index) and right after it served(index): the medians, ms,
     of each and of their differences (the first `skip` tokens left out). Token by token, a load
@@ -313,17 +307,21 @@ def main(argv=None):
             restart()
             return side_by_side(lambda index: front_alone(), lambda index: front_served(), args.tokens)
 
+        # What times a served token right after a session step: name in a round's order -> (key in
+        # the round's results, the measurement).
+        pairings = {"1 stream paired with the session": ("paired", paired),
+                    "the front model in this process, no Triton": ("front_model", front_model)}
         rounds = []
         with TritonServer(repo) as server:
             run_load(server.http_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # warm up
-            order = list(STREAMS) + list(PAIRINGS)
+            order = list(STREAMS) + list(pairings)
             for number in range(args.rounds):
                 random.Random(number).shuffle(order)
                 found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}}
                 for streams in order:
-                    if streams in PAIRINGS:
-                        key = PAIRINGS[streams]
-                        found[key] = pair = {"paired": paired, "front_model": front_model}[key]()
+                    if streams in pairings:
+                        key, measure = pairings[streams]
+                        found[key] = pair = measure()
                         log(f"round {number + 1}: {streams}: served {pair['served_ms']:.2f}, session "
                             f"{pair['session_ms']:.2f}, difference {pair['overhead_ms']:.2f} ms")
                         continue

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from infmoe_export.files import atomic_write
-from infmoe_export.report.small_model import in_summary
+from infmoe_export.report.small_model import in_summary, shown_note
 
 from . import record
 
@@ -85,9 +85,7 @@ def markdown(result: dict, source: str) -> str:
     lines += ["", f"{machine['cpu']}, {machine['cores']} cores{quiet}, {threads} threads; "
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
-                  "a fresh process." + ("" if len(shown) == len(result["contenders"]) else
-                                        f" Shown: {len(shown)} of its {len(result['contenders'])} contenders "
-                                        "(ours at K = 2, and int4 at K = 8; llama.cpp at Q4_0).")]
+                  "a fresh process." + shown_note(len(shown), len(result["contenders"]))]
     if any(c["name"].split()[1].endswith("-a8") for c in result["contenders"] if c["name"].startswith("ours")):
         lines.append("`-a8`: the same all-int4 file run with the kernel's int8 activations (session option "
                      "`infmoe.activations = int8`), what `infmoe-export onnx --dtype int4` writes by default; "

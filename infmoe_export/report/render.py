@@ -23,6 +23,7 @@ from ..files import atomic_write, output_dir
 from ..quant import PRECISIONS
 from ..runtimes.registry import BACKENDS
 from ..verify.parity import failures, label
+from .small_model import shown_note
 from .timing import within_noise
 from .tradeoff import (DEFAULT_QUALITY_BUDGET, baseline_kind, baseline_rows, plot_tradeoff, recommendation,
                        tradeoff_rows)
@@ -477,9 +478,7 @@ def small_model_section(report: dict) -> Section:
             "exported for onnxruntime, run with the kernel; llama.cpp: dense GPT-2 Small and Medium; MatMulNBits: "
             "onnxruntime's own int4 on a dense GPT-2-Medium-size model. On the bundled model a step is mostly "
             "fixed cost; at this size the bytes read set the speed.")
-    if len(s["rows"]) < s["contenders"]:
-        note += (f" Shown: {len(s['rows'])} of its {s['contenders']} contenders (ours at K = 2, and int4 at K = 8; "
-                 "llama.cpp at Q4_0).")
+    note += shown_note(len(s["rows"]), s["contenders"])
     if s["skipped"]:
         note += f" Not measured: {'; '.join(s['skipped'])}."
     table = Table("Speed beside the peers", ["contender", *s["columns"]],

@@ -53,6 +53,13 @@ def in_summary(name: str) -> bool:
     return True
 
 
+def shown_note(shown: int, contenders: int) -> str:
+    """The sentence a summary adds when it shows fewer than all of the file's contenders."""
+    if shown == contenders:
+        return ""
+    return f" Shown: {shown} of its {contenders} contenders (ours at K = 2, and int4 at K = 8; llama.cpp at Q4_0)."
+
+
 def small_model_speed(results: Path = RESULTS) -> Tuple[Optional[dict], Optional[str]]:
     """(the report's small_model section, or None when the results file is absent or unreadable;
     a one-line warning when it is present but unreadable)."""
