@@ -7,6 +7,8 @@ Data is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=
 """
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -245,3 +247,15 @@ def test_a_model_exported_for_int8_activations_runs_them_unless_a_session_asks_o
     assert checked_backends(True, ["float"]) == ["ort"]
     with pytest.raises(InfMoEError, match="int8 activations apply to the onnxruntime target's int8 / int4 weights"):
         export_onnx(model, tmp_path / "fp32.onnx", k=2, target="onnxruntime", activations="int8")
+
+
+@pytest.mark.parametrize("variant", ["avx2", "baseline"])
+def test_narrower_cpu_variants(library, variant):
+    """This file's kernel tests again with the x86-64-v3 variant (vpmaddubsw, where this CPU may
+    take AVX512-VNNI's vpdpbusd) and the portable one (plain C++), each chosen once per process."""
+    if os.environ.get("INFMOE_CPU_VARIANT"):
+        pytest.skip("already running one variant")
+    env = dict(os.environ, INFMOE_CPU_VARIANT=variant, INFMOE_TEST_SEED=str(SEED))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                           "match or batch_mates or not_float"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{variant}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"

@@ -20,6 +20,15 @@ namespace {
 constexpr int64_t kGroup = 32;
   // activation columns per scale: one AVX2 register of int8
 
+// AVX512-VNNI (the avx512 variant): vpdpbusd adds four unsigned-by-signed byte products into
+// each 32-bit lane in one instruction, where AVX2 takes vpmaddubsw (16-bit pair sums) and
+// vpmaddwd. The same exact integer sums either way.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
 // A token's activations for the integer dots: per group, the 32 int8 values and scale / zero
 // groups past d. int8 rows read a group's values in column order; int4 rows read them as a row's
 // nibbles unpack, pairs of groups at a time: per pair (2 p, 2 p + 1) 64 bytes, the even columns
@@ -162,6 +171,15 @@ inline __m256i SignedQ8(const uint8_t* src) {
 inline __m256i DotGroup8(__m256i q_abs, __m256i q, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
 }
+
+// The stored bytes u = q + 128 (unsigned) against x: eight partial sums of u . x.
+inline __m256i DotGroup8Vnni(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return DotGroup8(u, u, x);  // not taken (kVnni is false)
+#endif
+}
 #endif
 
 // Bytes of one group of a row (32 columns).
@@ -181,16 +199,21 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
     for (int t = 0; t < Tt; ++t)
       for (int j = 0; j < Jr; ++j) acc[t][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      __m256i xg[Tt];
-      for (int t = 0; t < Tt; ++t)
+      __m256i xg[Tt], above[Tt];
+      for (int t = 0; t < Tt; ++t) {
         xg[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
+        // VNNI takes the stored bytes q + 128 unsigned: 128 x the group's sum of qx more, an
+        // eighth of it a lane (offset = 8 x that sum).
+        above[t] = _mm256_set1_epi32(2 * x.offset[ids[t] * x.lanes + g]);
+      }
       for (int j = 0; j < Jr; ++j) {
         const auto row = w.At(lo + j);
-        const __m256i q = SignedQ8(row.q + g * kGroupBytes<Bits>);
-        const __m256i q_abs = _mm256_abs_epi8(q);
+        const uint8_t* stored = row.q + g * kGroupBytes<Bits>;
+        const __m256i q = kVnni ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored)) : SignedQ8(stored);
+        const __m256i q_abs = kVnni ? q : _mm256_abs_epi8(q);
         const float ws = ToFloat(row.scale[g / per_block]);
         for (int t = 0; t < Tt; ++t) {
-          const __m256i sum = DotGroup8(q_abs, q, xg[t]);
+          const __m256i sum = kVnni ? _mm256_sub_epi32(DotGroup8Vnni(q, xg[t]), above[t]) : DotGroup8(q_abs, q, xg[t]);
           const __m256 s = _mm256_set1_ps(ws * x.Scale(ids[t], g));
           acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
         }
@@ -274,13 +297,18 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
       for (int t = 0; t < Tt; ++t) {
         int32_t four;  // even columns' slots 4 i .. (i < 4), then the odd ones'
         std::memcpy(&four, qx[t] + (i < 4 ? 4 * i : kGroup + 4 * (i - 4)), sizeof four);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        p[t] = _mm256_dpbusd_epi32(p[t], w, _mm256_set1_epi32(four));  // 32-bit sums
+#else
         p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+#endif
       }
     }
     const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kInt4TileRows);
     for (int t = 0; t < Tt; ++t) {
       const int64_t at = ids[t] * x.lanes + g;
-      const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(p[t], ones), _mm256_set1_epi32(x.offset[at]));
+      const __m256i total = kVnni ? p[t] : _mm256_madd_epi16(p[t], ones);
+      const __m256i sum = _mm256_sub_epi32(total, _mm256_set1_epi32(x.offset[at]));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
     }
   }
@@ -359,7 +387,8 @@ constexpr int64_t kInt4RowsUpTo = 4;
 template <int Tt, bool kFull>
 inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const int64_t* ids, const uint8_t* q,
                      const float* ws, int64_t c, __m256* acc) {
-  const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(15);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // AVX2 only
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the adds leave g0 g2 g4 g6 | g1 g3 g5 g7
   __m256i half[Tt][2], first[Tt];
   for (int k = 0; k < 4; ++k) {
@@ -374,22 +403,36 @@ inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const in
     const __m256i even = _mm256_and_si256(v, mask), odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     for (int t = 0; t < Tt; ++t) {
       const int8_t* pair = qx[t] + g * kGroup;
+      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kGroup));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      // 32-bit sums, 4 a group (lanes 0-3: group g, 4-7: g + 1)
+      const __m256i sums = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), even, xe), odd, xo);
+      if (k % 2 == 0) {
+        first[t] = sums;
+      } else {
+        half[t][k / 2] = _mm256_hadd_epi32(first[t], sums);  // 2 a group
+      }
+#else
       // 16-bit sums, 8 a group (lanes 0-7: group g, 8-15: g + 1), each of at most 2 x 2 x 15 x 127
-      const __m256i sums = _mm256_add_epi16(
-          _mm256_maddubs_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair))),
-          _mm256_maddubs_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kGroup))));
+      const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
       if (k % 2 == 0) {
         first[t] = sums;
       } else {
         half[t][k / 2] = _mm256_hadd_epi16(first[t], sums);  // 4 a group, each at most 15240
       }
+#endif
     }
   }
   const __m256 w = _mm256_loadu_ps(ws + c);
   for (int t = 0; t < Tt; ++t) {
     const int64_t at = ids[t] * x.lanes + c;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i pairs = _mm256_hadd_epi32(half[t][0], half[t][1]);  // one a group
+#else
     // 2 a group (at most 30480: exact in 16 bits), then one a group in 32 bits
     const __m256i pairs = _mm256_madd_epi16(_mm256_hadd_epi16(half[t][0], half[t][1]), ones);
+#endif
     const __m256i sums = _mm256_permutevar8x32_epi32(pairs, in_order);
     const __m256i exact = _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.offset[at])));
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(w, _mm256_loadu_ps(&x.scale[at])), acc[t]);
