@@ -9,6 +9,7 @@ import runpy
 import pytest
 
 from benchmarks import record
+from infmoe_export.report import timing
 from infmoe_export.report.timing import cycling, paired_ratio, rounds, sampled_rounds
 
 SCRIPTS = ["ort", "op", "qop", "decode", "k_latency", "quant_model", "qmatmul", "quant_quality", "peers", "table", "llama",
@@ -64,6 +65,7 @@ def test_results_carry_the_machine_and_are_written_whole(tmp_path):
     machine = saved["machine"]
     assert saved["benchmark"] == "x" and saved["rows"] == [1, 2]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["ort_intra_op_threads"] == 2
+    assert set(machine["cpu_features"]) <= set(timing.KERNEL_FEATURES)
     assert machine["date"][:2] == "20" and machine["versions"]["onnxruntime"] and machine["python"]
     assert len(machine["load_average"]) == 3
     assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left behind

@@ -209,6 +209,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU features that choose the kernel's code (its x86-64 variants, VNNI, aarch64's dot products).
+KERNEL_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "asimddp", "i8mm")
+
+
+def cpu_features() -> list:
+    """Those of KERNEL_FEATURES the CPU reports (Linux /proc/cpuinfo; empty where it says none):
+    a CPU's model name alone does not tell a Zen 3 from a Zen 4."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    reported = set(line.split(":", 1)[1].split())
+                    return [feature for feature in KERNEL_FEATURES if feature in reported]
+    except OSError:
+        pass
+    return []
+
+
 def last_level_cache_bytes() -> int:
     """The largest CPU cache the kernel reports (Linux sysfs; 0 where it reports none)."""
     largest, units = 0, {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -233,6 +251,7 @@ def environment(intra_op_threads: Optional[int] = None) -> dict:
     library = custom_op_library()
     return {
         "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "last_level_cache_bytes": last_level_cache_bytes(),

@@ -9,10 +9,10 @@
 //    partials are summed in chunk order.
 //    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
 //    on whole registers of floats and nothing is converted or copied outside them.
-//  * prefill (many tokens): tokens sorted by window position and grouped; per group, GEMMs
-//    (Gemm: register blocks over the tokens, packed once) over the row ranges any of its tokens
-//    cover, weighted by coverage, split over fixed blocks of hidden units whose partial outputs
-//    are summed in block order. A block of half or quantized rows is first converted into float
+//  * prefill (many tokens): each token's windows taken apart, the (token, window) pairs sorted
+//    by start and grouped; per group, GEMMs (Gemm: register blocks over the pairs, packed once)
+//    over the row ranges its windows cover, each pair weighted 1 / K inside its window, split
+//    over fixed blocks of hidden units whose partial outputs are summed in block order. A block of half or quantized rows is first converted into float
 //    scratch that stays in cache.
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
@@ -35,8 +35,8 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-constexpr int64_t kGroupTokens = 128;      // prefill: tokens per GEMM group
-constexpr int64_t kHiddenBlock = 512;      // prefill: hidden units per work item
+constexpr int64_t kGroupTokens = 128;      // prefill: (token, window) pairs per GEMM group
+constexpr int64_t kHiddenBlock = 128;      // prefill: hidden units per work item (a group of windows sorted by start spans a few hundred)
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
 constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
 
@@ -188,31 +188,30 @@ Vector ToVector(const T* v, int64_t n) {
 template <typename T, class Format>
 void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
              const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  // Tokens whose windows start close together share a group, so its span stays narrow.
-  std::vector<int64_t> order(s.tokens);
+  // The (token, window) pairs sorted by start, so a group's windows lie close together and its
+  // union of rows stays narrow whatever K is (tokens grouped by their first window left the
+  // others spread over all of H). Each pair adds (1 / K) GELU(pre-activation) over its window:
+  // summed over a token's pairs that is c_i GELU (c_i = n_i / K), up to float rounding.
+  const int64_t pairs = s.tokens * s.k;
+  std::vector<int64_t> order(pairs);
   std::iota(order.begin(), order.end(), 0);
-  std::vector<int64_t> first(s.tokens);
-  for (int64_t t = 0; t < s.tokens; ++t) first[t] = *std::min_element(starts + t * s.k, starts + (t + 1) * s.k);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return starts[a] < starts[b]; });
 
   const Vector bias_in = ToVector(b_in, s.h);
-  const Vector bias_out = ToVector(b_out, s.d);
-  RowMatrix coverage, yg, partials;
-  for (int64_t begin = 0; begin < s.tokens; begin += kGroupTokens) {
-    const int64_t n = std::min(kGroupTokens, s.tokens - begin);
-    coverage.resize(n, s.h);
+  const float per_window = 1.0f / static_cast<float>(s.k);
+  RowMatrix sum = ToVector(b_out, s.d).transpose().replicate(s.tokens, 1);
+  RowMatrix yg, partials;
+  for (int64_t begin = 0; begin < pairs; begin += kGroupTokens) {
+    const int64_t n = std::min(kGroupTokens, pairs - begin);
     std::vector<Range> windows;
-    for (int64_t g = 0; g < n; ++g) {
-      const int64_t t = order[begin + g];
-      Coverage(starts + t * s.k, s.k, s.r, 0, s.h, coverage.row(g).data());
-      AddWindows(starts + t * s.k, s.k, s.r, windows);
-    }
-    yg = bias_out.transpose().replicate(n, 1);
-    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + order[begin + g] * s.d; });
+    for (int64_t g = 0; g < n; ++g) AddWindows(starts + order[begin + g], 1, s.r, windows);
+    const std::vector<Range> own = windows;  // pair g's window
+    yg.setZero(n, s.d);
+    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + order[begin + g] / s.k * s.d; });
     Merge(windows, kMergeGap);
     for (const Range& range : windows) {
-      // One work item per block of hidden units: GEMM, bias, GELU, coverage, then the block's
-      // partial output (a second GEMM); partials are added in block order afterwards.
+      // One work item per block of hidden units: GEMM, bias, GELU, each pair's window, then the
+      // block's partial output (a second GEMM); partials are added in block order afterwards.
       const int64_t rows = range.hi - range.lo;
       const int64_t blocks = (rows + kHiddenBlock - 1) / kHiddenBlock;
       partials.resize(blocks * n, s.d);
@@ -223,16 +222,22 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
         Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
         hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
         GeluTanh(hidden.array());
-        hidden.array() *= coverage.middleCols(lo, hi - lo).array();
+        for (int64_t g = 0; g < n; ++g) {  // outside its window a pair adds exact zeros
+          const int64_t from = std::clamp(own[g].lo, lo, hi) - lo, to = std::clamp(own[g].hi, lo, hi) - lo;
+          auto row = hidden.row(g);
+          row.head(from).setZero();
+          row.segment(from, to - from) *= per_window;
+          row.tail(hi - lo - to).setZero();
+        }
         Gemm<false>(PackTokens(n, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), n, hi - lo,
                     Rows(w_out, lo, hi, scratch), s.d, s.d, partials.row(static_cast<Index>(block) * n).data(), s.d);
       });
       for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
     }
-    for (int64_t g = 0; g < n; ++g) {
-      for (int64_t j = 0; j < s.d; ++j) FromFloat(yg(g, j), y + order[begin + g] * s.d + j);
-    }
+    for (int64_t g = 0; g < n; ++g) sum.row(order[begin + g] / s.k) += yg.row(g);
   }
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t j = 0; j < s.d; ++j) FromFloat(sum(t, j), y + t * s.d + j);
 }
 
 // ---- batched decode -----------------------------------------------------------------------------
