@@ -82,7 +82,8 @@ def markdown(result: dict, source: str) -> str:
     versions = ", ".join(f"{p} {machine['versions'][p]}" for p in VERSIONS if machine["versions"].get(p))
     load = machine.get("load_average")
     quiet = f" (load average {load[1]:.1f} over the last 5 minutes)" if load else ""
-    lines += ["", f"{machine['cpu']}, {machine['cores']} cores{quiet}, {threads} threads; "
+    features = f" ({', '.join(machine['cpu_features'])})" if machine.get("cpu_features") else ""
+    lines += ["", f"{machine['cpu']}{features}, {machine['cores']} cores{quiet}, {threads} threads; "
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
                   "a fresh process." + shown_note(len(shown), len(result["contenders"]))]

@@ -35,7 +35,7 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-constexpr int64_t kGroupTokens = 128;      // prefill: (token, window) pairs per GEMM group
+constexpr int64_t kGroupTokens = 32;      // prefill: (token, window) pairs per GEMM group
 constexpr int64_t kHiddenBlock = 128;      // prefill: hidden units per work item (a group of windows sorted by start spans a few hundred)
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
 constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
