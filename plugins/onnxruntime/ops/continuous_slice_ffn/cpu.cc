@@ -35,7 +35,9 @@ namespace infmoe {
 namespace INFMOE_VARIANT {
 namespace {
 
-constexpr int64_t kGroupTokens = 32;      // prefill: (token, window) pairs per GEMM group
+constexpr int64_t kGroupTokens = 128;      // prefill: whole tokens per GEMM group
+constexpr int64_t kGroupPairs = 32, kMostGroupPairs = 256;  // prefill: single windows per GEMM group
+constexpr int64_t kRowCost = 16;           // prefill plans: a row's reading, in items' GEMMs on it
 constexpr int64_t kHiddenBlock = 128;      // prefill: hidden units per work item (a group of windows sorted by start spans a few hundred)
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
 constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
@@ -185,32 +187,81 @@ Vector ToVector(const T* v, int64_t n) {
   return out;
 }
 
+// A prefill plan: items (a token with windows [k0, k0 + windows) of its K) in groups whose GEMMs
+// run over the union of their windows' rows; cost, per group its union rows times its items plus
+// kRowCost (reading a row, or converting a quantized one, costs about as much as the GEMMs of a
+// dozen items on it).
+struct PrefillPlan {
+  struct Item {
+    int64_t token, k0, windows;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> ends;  // group g is items [ends[g - 1], ends[g])
+  int64_t cost = 0;
+};
+
+// The union of the items' windows, merged across gaps under kMergeGap.
+inline std::vector<Range> Union(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n) {
+  std::vector<Range> windows;
+  for (int64_t i = 0; i < n; ++i) AddWindows(starts + items[i].token * s.k + items[i].k0, items[i].windows, s.r, windows);
+  Merge(windows, kMergeGap);
+  return windows;
+}
+
+// Whole tokens sorted by their first window, kGroupTokens a group (their other windows may lie
+// anywhere: K r near H), or each window on its own, sorted by start and grouped while the starts
+// lie within r / 2 (kGroupPairs to kMostGroupPairs a group: a group reads, and converts, its rows
+// once), which keeps a group's rows narrow when a token's windows lie apart. The cheaper of the two.
+inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
+  PrefillPlan by_token, by_window;
+  for (int64_t t = 0; t < s.tokens; ++t) by_token.items.push_back({t, 0, s.k});
+  std::vector<int64_t> first(s.tokens);
+  for (int64_t t = 0; t < s.tokens; ++t) first[t] = *std::min_element(starts + t * s.k, starts + (t + 1) * s.k);
+  std::stable_sort(by_token.items.begin(), by_token.items.end(),
+                   [&](const auto& a, const auto& b) { return first[a.token] < first[b.token]; });
+  for (int64_t end = kGroupTokens; end - kGroupTokens < s.tokens; end += kGroupTokens)
+    by_token.ends.push_back(std::min(end, s.tokens));
+  if (s.k > 1) {
+    for (int64_t t = 0; t < s.tokens; ++t)
+      for (int64_t k = 0; k < s.k; ++k) by_window.items.push_back({t, k, 1});
+    const auto start = [&](const PrefillPlan::Item& item) { return starts[item.token * s.k + item.k0]; };
+    std::stable_sort(by_window.items.begin(), by_window.items.end(),
+                     [&](const auto& a, const auto& b) { return start(a) < start(b); });
+    const int64_t pairs = static_cast<int64_t>(by_window.items.size());
+    for (int64_t begin = 0, n = 0; begin < pairs; begin += n) {
+      n = std::min(kGroupPairs, pairs - begin);
+      while (begin + n < pairs && n < kMostGroupPairs &&
+             start(by_window.items[begin + n]) - start(by_window.items[begin]) <= s.r / 2)
+        ++n;
+      by_window.ends.push_back(begin + n);
+    }
+  }
+  for (PrefillPlan* plan : {&by_token, &by_window}) {
+    for (size_t g = 0, begin = 0; g < plan->ends.size(); begin = plan->ends[g++]) {
+      const int64_t n = plan->ends[g] - static_cast<int64_t>(begin);
+      for (const Range& range : Union(s, starts, &plan->items[begin], n)) plan->cost += (n + kRowCost) * (range.hi - range.lo);
+    }
+  }
+  return s.k > 1 && by_window.cost < by_token.cost ? by_window : by_token;
+}
+
 template <typename T, class Format>
 void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
              const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
-  // The (token, window) pairs sorted by start, so a group's windows lie close together and its
-  // union of rows stays narrow whatever K is (tokens grouped by their first window left the
-  // others spread over all of H). Each pair adds (1 / K) GELU(pre-activation) over its window:
-  // summed over a token's pairs that is c_i GELU (c_i = n_i / K), up to float rounding.
-  const int64_t pairs = s.tokens * s.k;
-  std::vector<int64_t> order(pairs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return starts[a] < starts[b]; });
-
+  // Each item adds (number of its windows covering unit i) / K times GELU over the union: summed
+  // over a token's items that is c_i GELU (c_i = n_i / K), up to float rounding.
+  const PrefillPlan plan = PlanPrefill(s, starts);
   const Vector bias_in = ToVector(b_in, s.h);
   const float per_window = 1.0f / static_cast<float>(s.k);
   RowMatrix sum = ToVector(b_out, s.d).transpose().replicate(s.tokens, 1);
   RowMatrix yg, partials;
-  for (int64_t begin = 0; begin < pairs; begin += kGroupTokens) {
-    const int64_t n = std::min(kGroupTokens, pairs - begin);
-    std::vector<Range> windows;
-    for (int64_t g = 0; g < n; ++g) AddWindows(starts + order[begin + g], 1, s.r, windows);
-    const std::vector<Range> own = windows;  // pair g's window
+  for (size_t group = 0, begin = 0; group < plan.ends.size(); begin = plan.ends[group++]) {
+    const PrefillPlan::Item* items = &plan.items[begin];
+    const int64_t n = plan.ends[group] - static_cast<int64_t>(begin);
     yg.setZero(n, s.d);
-    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + order[begin + g] / s.k * s.d; });
-    Merge(windows, kMergeGap);
-    for (const Range& range : windows) {
-      // One work item per block of hidden units: GEMM, bias, GELU, each pair's window, then the
+    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + items[g].token * s.d; });
+    for (const Range& range : Union(s, starts, items, n)) {
+      // One work item per block of hidden units: GEMM, bias, GELU, each item's coverage, then the
       // block's partial output (a second GEMM); partials are added in block order afterwards.
       const int64_t rows = range.hi - range.lo;
       const int64_t blocks = (rows + kHiddenBlock - 1) / kHiddenBlock;
@@ -218,23 +269,25 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
       parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
         const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
         const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
-        RowMatrix scratch, hidden(n, hi - lo);
+        RowMatrix scratch, hidden(n, hi - lo), coverage(n, hi - lo);
         Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
         hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
         GeluTanh(hidden.array());
-        for (int64_t g = 0; g < n; ++g) {  // outside its window a pair adds exact zeros
-          const int64_t from = std::clamp(own[g].lo, lo, hi) - lo, to = std::clamp(own[g].hi, lo, hi) - lo;
-          auto row = hidden.row(g);
-          row.head(from).setZero();
-          row.segment(from, to - from) *= per_window;
-          row.tail(hi - lo - to).setZero();
+        for (int64_t g = 0; g < n; ++g) {  // the windows' counts (exact), then / K
+          float* c = coverage.row(g).data();
+          std::fill(c, c + (hi - lo), 0.0f);
+          for (int64_t k = 0; k < items[g].windows; ++k) {
+            const int64_t start = starts[items[g].token * s.k + items[g].k0 + k];
+            for (int64_t i = std::max(lo, start); i < std::min(hi, start + s.r); ++i) c[i - lo] += 1.0f;
+          }
         }
+        hidden.array() *= coverage.array() * per_window;
         Gemm<false>(PackTokens(n, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), n, hi - lo,
                     Rows(w_out, lo, hi, scratch), s.d, s.d, partials.row(static_cast<Index>(block) * n).data(), s.d);
       });
       for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
     }
-    for (int64_t g = 0; g < n; ++g) sum.row(order[begin + g] / s.k) += yg.row(g);
+    for (int64_t g = 0; g < n; ++g) sum.row(items[g].token) += yg.row(g);
   }
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t j = 0; j < s.d; ++j) FromFloat(sum(t, j), y + t * s.d + j);
