@@ -9,11 +9,12 @@
 //    partials are summed in chunk order.
 //    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
 //    on whole registers of floats and nothing is converted or copied outside them.
-//  * prefill (many tokens): each token's windows taken apart, the (token, window) pairs sorted
-//    by start and grouped; per group, GEMMs (Gemm: register blocks over the pairs, packed once)
-//    over the row ranges its windows cover, each pair weighted 1 / K inside its window, split
-//    over fixed blocks of hidden units whose partial outputs are summed in block order. A block of half or quantized rows is first converted into float
-//    scratch that stays in cache.
+//  * prefill (many tokens): whole tokens, or their windows one by one, sorted by window start
+//    and grouped (PlanPrefill: the cheaper); per group, GEMMs (Gemm: register blocks over the
+//    items, packed once) over the row ranges its windows cover, weighted by each item's
+//    coverage, split over fixed blocks of hidden units whose partial outputs are summed in
+//    block order. A block of half or quantized rows is first converted into float scratch that
+//    stays in cache.
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
 // With int8 activations (QContinuousSliceFFN, session option infmoe.activations = int8) x is
