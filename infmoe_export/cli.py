@@ -64,8 +64,8 @@ def one_line(message) -> str:
 
 
 # Set by a Ctrl-C during a command. A library may swallow the KeyboardInterrupt it raises
-# (Polygraphy's bare `except:` around its lazy imports turns it into "unsupported type"): the error
-# boundary then still reports an interruption, not an internal error.
+# (Polygraphy's bare `except:` around its lazy imports turns it into "unsupported type"; torch.export
+# into an export failure): the error boundary then still reports an interruption.
 INTERRUPTED = {"on": False}
 
 
@@ -99,10 +99,14 @@ def _main(argv):
     except click.ClickException as error:
         error.show()
         sys.exit(error.exit_code)
-    except InfMoEError as error:
-        click.echo(f"error: {one_line(error)}", err=True)
-        sys.exit(1)
-    except OSError as error:  # the environment, not a bug: a full disk, a name too long, no permission
+    except (InfMoEError, OSError) as error:
+        if INTERRUPTED["on"]:  # torch.export, for one, turns the Ctrl-C into its own failure
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        if isinstance(error, InfMoEError):
+            click.echo(f"error: {one_line(error)}", err=True)
+            sys.exit(1)
+        # OSError: the environment, not a bug: a full disk, a name too long, no permission
         where = f": {error.filename}" if error.filename else ""
         click.echo(one_line(f"error: {error.strerror or error}{where}"), err=True)
         sys.exit(1)
