@@ -204,7 +204,7 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
         xg[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
         // VNNI takes the stored bytes q + 128 unsigned: 128 x the group's sum of qx more, an
         // eighth of it a lane (offset = 8 x that sum).
-        above[t] = _mm256_set1_epi32(2 * x.offset[ids[t] * x.lanes + g]);
+        if constexpr (kVnni) above[t] = _mm256_set1_epi32(2 * x.offset[ids[t] * x.lanes + g]);
       }
       for (int j = 0; j < Jr; ++j) {
         const auto row = w.At(lo + j);
