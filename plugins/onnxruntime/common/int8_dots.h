@@ -247,6 +247,15 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kInt4TileRows = 16;
+constexpr int kInt4TileTokens = 8;  // acc and p per token, beside the weights: within 32 registers
+#else
+constexpr int kInt4TileRows = 8;
+constexpr int kInt4TileTokens = 4;  // p and acc per token, beside the weights: within 16 registers
+#endif
+constexpr int64_t kInt4TileBytes = 8 * 4 * kInt4TileRows;  // a tile's group: 8 steps of 4 bytes a row
+
 #if defined(__AVX2__)
 // int4 rows on AVX2 eight at a time, row l in lane l (as llama.cpp's repacked q4_0 GEMM lays them
 // out, here transposed on the fly from SPEC §6's storage): per group of 32 columns, eight
@@ -254,14 +263,17 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
 // (broadcast), their 16-bit pair sums added in 16 bits (at most 8 x 2 x 15 x 127, exact), one
 // vpmaddwd, the offset of the nibbles subtracted, and one FMA by the 8 rows' scales times the
 // token's. No horizontal sums, and a tile's transposed groups serve every token.
-constexpr int kInt4TileRows = 8;
-constexpr int kInt4TileTokens = 4;  // p and acc per token, beside the weights: within 16 registers
+// With AVX-512 VNNI a tile is 16 rows (one zmm register) and takes 8 tokens at a time: vpdpbusd
+// adds 32-bit sums in place, each token's sum is a chain of 8 of them a group, and 8 tokens' chains
+// side by side keep the unit busy where 4 waited on their own latency. Each lane computes what the
+// 8-row tile computes (the same integers, the same FMA per group): the same bits.
 
-// Group g (bytes 16 g .. 16 g + 15) of the tile's 8 rows as vpmaddubsw's unsigned operands:
-// steps[i] (i < 4), lane l, holds the low nibbles of row l's bytes 4 i .. 4 i + 3 (columns 8 i,
-// 8 i + 2, 8 i + 4, 8 i + 6: QuantizedTokens' int4 slots 4 i .. 4 i + 3), steps[4 + i] their high
-// nibbles (the odd columns after them: slots 16 + 4 i ..).
-inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps) {
+// Group g (bytes 16 g .. 16 g + 15) of 8 rows as vpmaddubsw's unsigned operands: steps[i] (i < 4),
+// lane l, holds the low nibbles of row l's bytes 4 i .. 4 i + 3 (columns 8 i, 8 i + 2, 8 i + 4,
+// 8 i + 6: QuantizedTokens' int4 slots 4 i .. 4 i + 3), steps[4 + i] their high nibbles (the odd
+// columns after them: slots 16 + 4 i ..); step i at steps + i stride (a 16-row tile: two 8-row
+// halves side by side, 64 bytes a step).
+inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps, int64_t stride) {
   const int64_t at = g * kGroupBytes<4>;
   const auto rows = [&](int l) {  // rows l and l + 4, one a half
     return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row[l + 4] + at),
@@ -274,14 +286,42 @@ inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps) {
                             _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
   const __m256i mask = _mm256_set1_epi8(15);
   for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + 32 * i), _mm256_and_si256(dword[i], mask));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + 32 * (4 + i)),
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + stride * i), _mm256_and_si256(dword[i], mask));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + stride * (4 + i)),
                         _mm256_and_si256(_mm256_srli_epi16(dword[i], 4), mask));
   }
 }
 
-// out[8 t + l] = token ids[t] . tile row l, t < Tt; steps: the tile's groups (TileGroup, 256
-// bytes each), scales: its rows' block scales [block][8].
+// out[kInt4TileRows t + l] = token ids[t] . tile row l, t < Tt; steps: the tile's groups
+// (TileGroup, kInt4TileBytes each), scales: its rows' block scales [block][kInt4TileRows].
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int Tt>
+void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps, const float* scales,
+              int64_t per_block, float* out) {
+  __m512 acc[Tt];
+  for (int t = 0; t < Tt; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m512i p[Tt];
+    const int8_t* qx[Tt];
+    for (int t = 0; t < Tt; ++t) p[t] = _mm512_setzero_si512(), qx[t] = x.Even(ids[t], g);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i w = _mm512_loadu_si512(steps + kInt4TileBytes * g + 64 * i);
+      for (int t = 0; t < Tt; ++t) {
+        int32_t four;  // even columns' slots 4 i .. (i < 4), then the odd ones'
+        std::memcpy(&four, qx[t] + (i < 4 ? 4 * i : kGroup + 4 * (i - 4)), sizeof four);
+        p[t] = _mm512_dpbusd_epi32(p[t], w, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 ws = _mm512_loadu_ps(scales + g / per_block * kInt4TileRows);
+    for (int t = 0; t < Tt; ++t) {
+      const int64_t at = ids[t] * x.lanes + g;
+      const __m512i sum = _mm512_sub_epi32(p[t], _mm512_set1_epi32(x.offset[at]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at])), acc[t]);
+    }
+  }
+  for (int t = 0; t < Tt; ++t) _mm512_storeu_ps(out + kInt4TileRows * t, acc[t]);
+}
+#else
 template <int Tt>
 void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps, const float* scales,
               int64_t per_block, float* out) {
@@ -293,32 +333,28 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
     const int8_t* qx[Tt];
     for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), qx[t] = x.Even(ids[t], g);
     for (int i = 0; i < 8; ++i) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 256 * g + 32 * i));
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + kInt4TileBytes * g + 32 * i));
       for (int t = 0; t < Tt; ++t) {
         int32_t four;  // even columns' slots 4 i .. (i < 4), then the odd ones'
         std::memcpy(&four, qx[t] + (i < 4 ? 4 * i : kGroup + 4 * (i - 4)), sizeof four);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        p[t] = _mm256_dpbusd_epi32(p[t], w, _mm256_set1_epi32(four));  // 32-bit sums
-#else
         p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
-#endif
       }
     }
     const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kInt4TileRows);
     for (int t = 0; t < Tt; ++t) {
       const int64_t at = ids[t] * x.lanes + g;
-      const __m256i total = kVnni ? p[t] : _mm256_madd_epi16(p[t], ones);
-      const __m256i sum = _mm256_sub_epi32(total, _mm256_set1_epi32(x.offset[at]));
+      const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(p[t], ones), _mm256_set1_epi32(x.offset[at]));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
     }
   }
   for (int t = 0; t < Tt; ++t) _mm256_storeu_ps(out + kInt4TileRows * t, acc[t]);
 }
+#endif
 
-// scales[b 8 + l] = row l's scale of block b, b < blocks: float scales 8 blocks at a time through
-// an 8 x 8 transpose in registers, the rest one by one.
+// scales[b stride + l] = row l's scale of block b for l < 8, b < blocks: float scales 8 blocks at a
+// time through an 8 x 8 transpose in registers, the rest one by one.
 template <typename T>
-void TileScales(const T* const* scale, int64_t blocks, float* scales) {
+void TileScales(const T* const* scale, int64_t blocks, float* scales, int64_t stride) {
   int64_t b = 0;
   if constexpr (std::is_same_v<T, float>) {
     for (; b + 8 <= blocks; b += 8) {
@@ -330,13 +366,13 @@ void TileScales(const T* const* scale, int64_t blocks, float* scales) {
         r[l + 2] = _mm256_shuffle_ps(t[l + 1], t[l + 3], 0x44), r[l + 3] = _mm256_shuffle_ps(t[l + 1], t[l + 3], 0xEE);
       }
       for (int i = 0; i < 4; ++i) {  // r[i] (rows 0-3) and r[4 + i] (rows 4-7): blocks b + i, b + 4 + i
-        _mm256_storeu_ps(scales + (b + i) * 8, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
-        _mm256_storeu_ps(scales + (b + 4 + i) * 8, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+        _mm256_storeu_ps(scales + (b + i) * stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(scales + (b + 4 + i) * stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
       }
     }
   }
   for (; b < blocks; ++b)
-    for (int l = 0; l < 8; ++l) scales[b * 8 + l] = ToFloat(scale[l][b]);
+    for (int l = 0; l < 8; ++l) scales[b * stride + l] = ToFloat(scale[l][b]);
 }
 
 // IntDots of int4 rows: tile by tile, its groups transposed once for all the tokens.
@@ -346,8 +382,9 @@ void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens,
   static constexpr auto kDots = CountTable<kInt4TileTokens>([](auto n) { return &TileDots<decltype(n)::value>; });
   thread_local std::vector<uint8_t> steps;
   thread_local std::vector<float> scales;
-  steps.resize(x.groups * 256);
+  steps.resize(x.groups * kInt4TileBytes);
   scales.resize(w.blocks * kInt4TileRows);
+  constexpr int64_t kStep = 4 * kInt4TileRows;  // bytes of one step of a tile's group
   for (int64_t j = 0; j < rows; j += kInt4TileRows) {
     const int64_t n = std::min<int64_t>(kInt4TileRows, rows - j);
     const uint8_t* row[kInt4TileRows];
@@ -356,8 +393,18 @@ void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens,
       const auto r = w.At(lo + j + std::min<int64_t>(l, n - 1));
       row[l] = r.q, scale[l] = r.scale;
     }
-    TileScales(scale, w.blocks, scales.data());
-    for (int64_t g = 0; g < x.groups; ++g) TileGroup(row, g, steps.data() + 256 * g);
+    // The next tile's rows and scales requested now, to arrive while this one's dots run (its
+    // loads, the only ones from memory, would otherwise wait with nothing else in flight).
+    for (int64_t l = j + kInt4TileRows; l < std::min(j + 2 * kInt4TileRows, rows); ++l) {
+      const auto r = w.At(lo + l);
+      for (int64_t b = 0; b < x.groups * kGroupBytes<4>; b += 64) __builtin_prefetch(r.q + b);
+      for (int64_t b = 0; b < w.blocks * static_cast<int64_t>(sizeof(T)); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(r.scale) + b);
+    }
+    for (int half = 0; half < kInt4TileRows; half += 8) {  // 8 rows a pass: lanes half .. half + 7
+      TileScales(scale + half, w.blocks, scales.data() + half, kInt4TileRows);
+      for (int64_t g = 0; g < x.groups; ++g) TileGroup(row + half, g, steps.data() + kInt4TileBytes * g + 4 * half, kStep);
+    }
     for (int64_t t = 0; t < tokens; t += kInt4TileTokens) {
       const int64_t tt = std::min<int64_t>(kInt4TileTokens, tokens - t);
       float lanes[kInt4TileTokens * kInt4TileRows];
