@@ -393,14 +393,6 @@ void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens,
       const auto r = w.At(lo + j + std::min<int64_t>(l, n - 1));
       row[l] = r.q, scale[l] = r.scale;
     }
-    // The next tile's rows and scales requested now, to arrive while this one's dots run (its
-    // loads, the only ones from memory, would otherwise wait with nothing else in flight).
-    for (int64_t l = j + kInt4TileRows; l < std::min(j + 2 * kInt4TileRows, rows); ++l) {
-      const auto r = w.At(lo + l);
-      for (int64_t b = 0; b < x.groups * kGroupBytes<4>; b += 64) __builtin_prefetch(r.q + b);
-      for (int64_t b = 0; b < w.blocks * static_cast<int64_t>(sizeof(T)); b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(r.scale) + b);
-    }
     for (int half = 0; half < kInt4TileRows; half += 8) {  // 8 rows a pass: lanes half .. half + 7
       TileScales(scale + half, w.blocks, scales.data() + half, kInt4TileRows);
       for (int64_t g = 0; g < x.groups; ++g) TileGroup(row + half, g, steps.data() + kInt4TileBytes * g + 4 * half, kStep);
