@@ -18,9 +18,8 @@
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
 // With int8 activations (QContinuousSliceFFN, session option infmoe.activations = int8) x is
-// quantized once per call (common/int8_dots.h) and every path multiplies it: the GEMV and batched
-// paths with w_in's dots in integers (w_out's products, over rows, stay float), the prefill GEMM
-// on the activations dequantized.
+// quantized once per call (common/int8_dots.h) and every path makes w_in's dots in integers on it
+// (w_out's products, over rows, stay float).
 // Work is split by token and by fixed row chunks, never by thread, so the summation order (and
 // so every bit of the result) is the same for any number of threads.
 // Compiled once per CPU variant (common/variant.h).
@@ -246,9 +245,11 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
   return s.k > 1 && by_window.cost < by_token.cost ? by_window : by_token;
 }
 
+// With xq (int8 activations, whole groups of 32 columns) w_in's GEMM is integer dots
+// (common/int8_dots.h: a block's rows transposed once into tiles for all the group's items).
 template <typename T, class Format>
-void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_in, const T* b_in,
-             const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
+void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& w_in,
+             const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
   // Each item adds (number of its windows covering unit i) / K times GELU over the union: summed
   // over a token's items that is c_i GELU (c_i = n_i / K), up to float rounding.
   const PrefillPlan plan = PlanPrefill(s, starts);
@@ -260,7 +261,10 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
     const PrefillPlan::Item* items = &plan.items[begin];
     const int64_t n = plan.ends[group] - static_cast<int64_t>(begin);
     yg.setZero(n, s.d);
-    const std::vector<float> packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + items[g].token * s.d; });
+    std::vector<float> packed_x;
+    std::vector<int64_t> ids(n);
+    for (int64_t g = 0; g < n; ++g) ids[g] = items[g].token;
+    if (!xq) packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + ids[g] * s.d; });
     for (const Range& range : Union(s, starts, items, n)) {
       // One work item per block of hidden units: GEMM, bias, GELU, each item's coverage, then the
       // block's partial output (a second GEMM); partials are added in block order afterwards.
@@ -271,7 +275,11 @@ void Prefill(const Sizes& s, const T* x, const int64_t* starts, const Format& w_
         const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
         const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
         RowMatrix scratch, hidden(n, hi - lo), coverage(n, hi - lo);
-        Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
+        if (xq) {
+          IntDotsOf(*xq, ids.data(), n, w_in, lo, hi - lo, hidden.data());
+        } else {
+          Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
+        }
         hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
         GeluTanh(hidden.array());
         for (int64_t g = 0; g < n; ++g) {  // the windows' counts (exact), then / K
@@ -408,9 +416,9 @@ void BatchedDecode(const Sizes& s, const T* x, const QuantizedTokens* xq, const 
   }
 }
 
-// One call on `path`. With int8 activations (xq) the GEMV and batched paths make w_in's dots in
-// integers where its rows are whole groups of 32 columns (read as such: d a multiple of 32); the
-// prefill path, and rows of a partial last group, multiply the activations dequantized.
+// One call on `path`. With int8 activations (xq) every path makes w_in's dots in integers where
+// its rows are whole groups of 32 columns (read as such: d a multiple of 32); rows of a partial
+// last group multiply the activations dequantized.
 template <typename T, class Format>
 void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& w_in,
              const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for, Path path) {
@@ -428,7 +436,7 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     }
     return;
   }
-  if (xq && (path == Path::kPrefill || s.d % kGroup)) {
+  if (xq && s.d % kGroup) {
     const std::vector<T> dequantized = xq->Dequantized<T>(s.tokens, s.d);
     return Compute(s, dequantized.data(), nullptr, starts, w_in, b_in, w_out, b_out, y, parallel_for, path);
   }
@@ -436,7 +444,7 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     case Path::kInteger:
     case Path::kGemv: return Decode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
     case Path::kBatched: return BatchedDecode(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
-    case Path::kPrefill: return Prefill(s, x, starts, w_in, b_in, w_out, b_out, y, parallel_for);
+    case Path::kPrefill: return Prefill(s, x, xq, starts, w_in, b_in, w_out, b_out, y, parallel_for);
   }
 }
 
