@@ -235,11 +235,14 @@ def main_fuzz(root: Path, seed: int):
     before = snapshot(root)
     problems, codes, replaced_as_asked = [], {}, 0
     for number, (args, interrupt) in enumerate(invocations):
+        # Named before it runs: if it kills the process (a crash inside a library), the test's
+        # message ends with this line.
+        print(f"{number} runs{f' (interrupted after {interrupt} s)' if interrupt else ''}: {args!r}",
+              file=sys.stderr, flush=True)
         started = time.perf_counter()
         code, out, err = run_one(args, interrupt)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-        print(f"{number} {code} {time.perf_counter() - started:.2f}s peak {peak} MiB {' '.join(args)[:150]!r}",
-              file=sys.stderr, flush=True)
+        print(f"{number} exit {code} in {time.perf_counter() - started:.2f} s, peak {peak} MiB", file=sys.stderr, flush=True)
         codes[code] = codes.get(code, 0) + 1
         shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in args)
         if code == 130:
