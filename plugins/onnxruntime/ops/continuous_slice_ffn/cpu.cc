@@ -10,11 +10,11 @@
 //    Parallel over chunks, so one token uses every thread; memory bound, so the inner loops work
 //    on whole registers of floats and nothing is converted or copied outside them.
 //  * prefill (many tokens): whole tokens, or their windows one by one, sorted by window start
-//    and grouped (PlanPrefill: the cheaper); per group, GEMMs (Gemm: register blocks over the
-//    items, packed once) over the row ranges its windows cover, weighted by each item's
-//    coverage, split over fixed blocks of hidden units whose partial outputs are summed in
-//    block order. A block of half or quantized rows is first converted into float scratch that
-//    stays in cache.
+//    and grouped (PlanPrefill: the cheaper); per group, the row ranges its windows cover in
+//    blocks of hidden units, per block GEMMs (Gemm: register blocks over the items) of the
+//    items that reach into it, weighted by each item's coverage, whose partial outputs are
+//    summed in block order. A block of half or quantized rows is first converted into float
+//    scratch that stays in cache.
 // QMatMul (a dense quantized matrix: the onnxruntime target's attention and LM head) reuses both
 // paths with every row covered and nothing after the dot products.
 // With int8 activations (QContinuousSliceFFN, session option infmoe.activations = int8) x is
@@ -188,9 +188,9 @@ Vector ToVector(const T* v, int64_t n) {
 }
 
 // A prefill plan: items (a token with windows [k0, k0 + windows) of its K) in groups whose GEMMs
-// run over the union of their windows' rows; cost, per group its union rows times its items plus
-// kRowCost (reading a row, or converting a quantized one, costs about as much as the GEMMs of a
-// dozen items on it).
+// run over the union of their windows' rows, a block of kHiddenBlock rows at a time for the items
+// that reach into it; cost, per block its rows times those items plus kRowCost (reading a row, or
+// converting a quantized one, costs about as much as the GEMMs of a dozen items on it).
 struct PrefillPlan {
   struct Item {
     int64_t token, k0, windows;
@@ -200,12 +200,28 @@ struct PrefillPlan {
   int64_t cost = 0;
 };
 
-// The union of the items' windows, merged across gaps under kMergeGap.
-inline std::vector<Range> Union(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n) {
-  std::vector<Range> windows;
+// The union of the items' windows, merged across gaps under kMergeGap, cut into blocks of
+// kHiddenBlock rows (a range's last block shorter).
+inline std::vector<Range> UnionBlocks(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n) {
+  std::vector<Range> windows, blocks;
   for (int64_t i = 0; i < n; ++i) AddWindows(starts + items[i].token * s.k + items[i].k0, items[i].windows, s.r, windows);
   Merge(windows, kMergeGap);
-  return windows;
+  for (const Range& range : windows)
+    for (int64_t lo = range.lo; lo < range.hi; lo += kHiddenBlock) blocks.push_back({lo, std::min(lo + kHiddenBlock, range.hi)});
+  return blocks;
+}
+
+// The items (indices into items[0, n)) with a window reaching into rows [block.lo, block.hi).
+inline std::vector<int64_t> Reaching(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n,
+                                     const Range& block) {
+  std::vector<int64_t> reaching;
+  for (int64_t g = 0; g < n; ++g) {
+    const int64_t* first = starts + items[g].token * s.k + items[g].k0;
+    if (std::any_of(first, first + items[g].windows,
+                    [&](int64_t start) { return start < block.hi && start + s.r > block.lo; }))
+      reaching.push_back(g);
+  }
+  return reaching;
 }
 
 // Whole tokens sorted by their first window, kGroupTokens a group (their other windows may lie
@@ -238,8 +254,12 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
   }
   for (PrefillPlan* plan : {&by_token, &by_window}) {
     for (size_t g = 0, begin = 0; g < plan->ends.size(); begin = plan->ends[g++]) {
+      const PrefillPlan::Item* items = &plan->items[begin];
       const int64_t n = plan->ends[g] - static_cast<int64_t>(begin);
-      for (const Range& range : Union(s, starts, &plan->items[begin], n)) plan->cost += (n + kRowCost) * (range.hi - range.lo);
+      for (const Range& block : UnionBlocks(s, starts, items, n)) {
+        const int64_t reaching = static_cast<int64_t>(Reaching(s, starts, items, n, block).size());
+        plan->cost += (reaching + kRowCost) * (block.hi - block.lo);
+      }
     }
   }
   return s.k > 1 && by_window.cost < by_token.cost ? by_window : by_token;
@@ -256,46 +276,49 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
   const Vector bias_in = ToVector(b_in, s.h);
   const float per_window = 1.0f / static_cast<float>(s.k);
   RowMatrix sum = ToVector(b_out, s.d).transpose().replicate(s.tokens, 1);
-  RowMatrix yg, partials;
+  RowMatrix yg;
   for (size_t group = 0, begin = 0; group < plan.ends.size(); begin = plan.ends[group++]) {
     const PrefillPlan::Item* items = &plan.items[begin];
     const int64_t n = plan.ends[group] - static_cast<int64_t>(begin);
     yg.setZero(n, s.d);
-    std::vector<float> packed_x;
-    std::vector<int64_t> ids(n);
-    for (int64_t g = 0; g < n; ++g) ids[g] = items[g].token;
-    if (!xq) packed_x = PackTokens(n, s.d, [&](int64_t g) { return x + ids[g] * s.d; });
-    for (const Range& range : Union(s, starts, items, n)) {
-      // One work item per block of hidden units: GEMM, bias, GELU, each item's coverage, then the
-      // block's partial output (a second GEMM); partials are added in block order afterwards.
-      const int64_t rows = range.hi - range.lo;
-      const int64_t blocks = (rows + kHiddenBlock - 1) / kHiddenBlock;
-      partials.resize(blocks * n, s.d);
-      parallel_for(static_cast<size_t>(blocks), [&](size_t block) {
-        const int64_t lo = range.lo + static_cast<int64_t>(block) * kHiddenBlock;
-        const int64_t hi = std::min(lo + kHiddenBlock, range.hi);
-        RowMatrix scratch, hidden(n, hi - lo), coverage(n, hi - lo);
-        if (xq) {
-          IntDotsOf(*xq, ids.data(), n, w_in, lo, hi - lo, hidden.data());
-        } else {
-          Gemm<true>(packed_x, n, s.d, Rows(w_in, lo, hi, scratch), s.d, hi - lo, hidden.data(), hi - lo);
+    const std::vector<Range> blocks = UnionBlocks(s, starts, items, n);
+    // One work item per block: the items reaching into it (the others would add exact zeros),
+    // their GEMM, bias, GELU and coverage, then their partial output (a second GEMM); partials are
+    // added in block order afterwards.
+    std::vector<std::vector<int64_t>> reaching(blocks.size());
+    std::vector<RowMatrix> partials(blocks.size());
+    parallel_for(blocks.size(), [&](size_t index) {
+      const Range& block = blocks[index];
+      const int64_t lo = block.lo, hi = block.hi;
+      const std::vector<int64_t>& in = reaching[index] = Reaching(s, starts, items, n, block);
+      const int64_t m = static_cast<int64_t>(in.size());
+      std::vector<int64_t> ids(m);
+      for (int64_t i = 0; i < m; ++i) ids[i] = items[in[i]].token;
+      RowMatrix scratch, hidden(m, hi - lo), coverage(m, hi - lo);
+      if (xq) {
+        IntDotsOf(*xq, ids.data(), m, w_in, lo, hi - lo, hidden.data());
+      } else {
+        Gemm<true>(PackTokens(m, s.d, [&](int64_t i) { return x + ids[i] * s.d; }), m, s.d, Rows(w_in, lo, hi, scratch),
+                   s.d, hi - lo, hidden.data(), hi - lo);
+      }
+      hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
+      GeluTanh(hidden.array());
+      for (int64_t i = 0; i < m; ++i) {  // the windows' counts (exact), then / K
+        const PrefillPlan::Item& item = items[in[i]];
+        float* c = coverage.row(i).data();
+        std::fill(c, c + (hi - lo), 0.0f);
+        for (int64_t k = 0; k < item.windows; ++k) {
+          const int64_t start = starts[item.token * s.k + item.k0 + k];
+          for (int64_t u = std::max(lo, start); u < std::min(hi, start + s.r); ++u) c[u - lo] += 1.0f;
         }
-        hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
-        GeluTanh(hidden.array());
-        for (int64_t g = 0; g < n; ++g) {  // the windows' counts (exact), then / K
-          float* c = coverage.row(g).data();
-          std::fill(c, c + (hi - lo), 0.0f);
-          for (int64_t k = 0; k < items[g].windows; ++k) {
-            const int64_t start = starts[items[g].token * s.k + items[g].k0 + k];
-            for (int64_t i = std::max(lo, start); i < std::min(hi, start + s.r); ++i) c[i - lo] += 1.0f;
-          }
-        }
-        hidden.array() *= coverage.array() * per_window;
-        Gemm<false>(PackTokens(n, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), n, hi - lo,
-                    Rows(w_out, lo, hi, scratch), s.d, s.d, partials.row(static_cast<Index>(block) * n).data(), s.d);
-      });
-      for (int64_t block = 0; block < blocks; ++block) yg += partials.middleRows(block * n, n);
-    }
+      }
+      hidden.array() *= coverage.array() * per_window;
+      partials[index].resize(m, s.d);
+      Gemm<false>(PackTokens(m, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), m, hi - lo,
+                  Rows(w_out, lo, hi, scratch), s.d, s.d, partials[index].data(), s.d);
+    });
+    for (size_t index = 0; index < blocks.size(); ++index)
+      for (size_t i = 0; i < reaching[index].size(); ++i) yg.row(reaching[index][i]) += partials[index].row(static_cast<Index>(i));
     for (int64_t g = 0; g < n; ++g) sum.row(items[g].token) += yg.row(g);
   }
   for (int64_t t = 0; t < s.tokens; ++t)
