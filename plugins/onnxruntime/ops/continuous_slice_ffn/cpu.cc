@@ -275,6 +275,7 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
   const PrefillPlan plan = PlanPrefill(s, starts);
   const Vector bias_in = ToVector(b_in, s.h);
   const float per_window = 1.0f / static_cast<float>(s.k);
+  const int64_t depth = PaddedDepth(s.d);
   RowMatrix sum = ToVector(b_out, s.d).transpose().replicate(s.tokens, 1);
   RowMatrix yg;
   for (size_t group = 0, begin = 0; group < plan.ends.size(); begin = plan.ends[group++]) {
@@ -313,12 +314,19 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
         }
       }
       hidden.array() *= coverage.array() * per_window;
-      partials[index].resize(m, s.d);
-      Gemm<false>(PackTokens(m, hi - lo, [&](int64_t t) { return hidden.row(t).data(); }), m, hi - lo,
-                  Rows(w_out, lo, hi, scratch), s.d, s.d, partials[index].data(), s.d);
+      // w_out's product by the batched path's axpys (common/batched.h): output columns across
+      // the lanes, each sum over the block's rows in order, stored as rows of the partial.
+      std::vector<float> out_scratch;
+      int64_t ld = 0;
+      const float* rows_out = FloatBlock(w_out, lo, hi, out_scratch, &ld);
+      partials[index].setZero(m, depth);
+      std::vector<float*> outs(m);
+      for (int64_t i = 0; i < m; ++i) outs[i] = partials[index].row(i).data();
+      Axpys(hidden.data(), hi - lo, m, rows_out, ld, hi - lo, depth, outs.data());
     });
     for (size_t index = 0; index < blocks.size(); ++index)
-      for (size_t i = 0; i < reaching[index].size(); ++i) yg.row(reaching[index][i]) += partials[index].row(static_cast<Index>(i));
+      for (size_t i = 0; i < reaching[index].size(); ++i)
+        yg.row(reaching[index][i]) += partials[index].row(static_cast<Index>(i)).head(s.d);
     for (int64_t g = 0; g < n; ++g) sum.row(items[g].token) += yg.row(g);
   }
   for (int64_t t = 0; t < s.tokens; ++t)
