@@ -284,8 +284,8 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     yg.setZero(n, s.d);
     const std::vector<Range> blocks = UnionBlocks(s, starts, items, n);
     // One work item per block: the items reaching into it (the others would add exact zeros),
-    // their GEMM, bias, GELU and coverage, then their partial output (a second GEMM); partials are
-    // added in block order afterwards.
+    // their GEMM, bias, GELU and coverage, then their partial output; partials are added in block
+    // order afterwards.
     std::vector<std::vector<int64_t>> reaching(blocks.size());
     std::vector<RowMatrix> partials(blocks.size());
     parallel_for(blocks.size(), [&](size_t index) {
