@@ -53,8 +53,9 @@ inline const char* ForcedPath() {
 
 // run(path, tokens) runs one call of `tokens` tokens on the given path, on the calling thread;
 // allowed(path, tokens) says whether a call can take it. Per grid point the fastest path (the
-// best of three timings each, the paths taking turns); then made monotone in the order of Path: once a later path wins,
-// no earlier one is taken for more tokens, so timing noise can never put a cliff into the curve.
+// best of three timings each, the paths taking turns); then made monotone in the order of Path:
+// once a later path wins, no earlier one is taken for more tokens, so timing noise can never put
+// a cliff into the curve.
 template <class Run, class Allowed>
 PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
   PathChoice choice;
