@@ -8,6 +8,7 @@ Data is fresh every run (the seed is printed in every failure; INFMOE_TEST_SEED=
 
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -259,3 +260,38 @@ def test_narrower_cpu_variants(library, variant):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
                            "match or batch_mates or not_float"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"{variant}, seed {SEED}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+
+
+def _variant_products(out):
+    """Child of test_variants_give_the_same_bits: QMatMul (int4, int8) on int8 activations, 1 to 40
+    tokens, on the variant its environment names; saved to out."""
+    rng = np.random.default_rng(int(os.environ["INFMOE_TEST_SEED"]))
+    results = {}
+    for bits in (4, 8):
+        for tokens in (1, 3, 9, 40):
+            feeds = make_feeds(rng, (tokens,), 301, 77, bits, 32)
+            results[f"int{bits}, {tokens} tokens"] = session(301, 77, bits, 32).run(None, feeds)[0]
+    np.savez(out, **results)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or "avx512_vnni" not in open("/proc/cpuinfo").read(),
+                    reason="needs a CPU with AVX512-VNNI (the avx512 variant's integer dots)")
+def test_variants_give_the_same_bits(library, tmp_path):
+    """QMatMul's integer dots: the avx512 variant's vpdpbusd (rows; 16-row tiles of 8 tokens) and
+    the x86-64-v3 variant's vpmaddubsw (rows; 8-row tiles of 4 tokens) make the same integer sums in
+    the same lanes and the same float steps on them (docs/design/kernel.md): bit for bit the same
+    products. (The float paths, and the expert op's float w_out product, sum in lanes as wide as
+    the variant's registers: float rounding apart.)"""
+    if os.environ.get("INFMOE_CPU_VARIANT"):
+        pytest.skip("already running one variant")
+    outputs = {}
+    for variant in ("avx512", "avx2"):
+        out = tmp_path / f"{variant}.npz"
+        env = dict(os.environ, INFMOE_CPU_VARIANT=variant, INFMOE_PATH="integer", INFMOE_TEST_SEED=str(SEED))
+        code = f"import sys; sys.path[:0] = {[str(Path(__file__).parent)]!r}; " \
+               f"import test_ort_int8_activations as t; t._variant_products({str(out)!r})"
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"{variant}: {done.stderr[-2000:]}"
+        outputs[variant] = np.load(out)
+    for name in outputs["avx512"].files:
+        assert np.array_equal(outputs["avx512"][name], outputs["avx2"][name]), f"{name}, seed {SEED}"

@@ -202,9 +202,10 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
       __m256i xg[Tt], above[Tt];
       for (int t = 0; t < Tt; ++t) {
         xg[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
-        // VNNI takes the stored bytes q + 128 unsigned: 128 x the group's sum of qx more, an
-        // eighth of it a lane (offset = 8 x that sum).
-        if constexpr (kVnni) above[t] = _mm256_set1_epi32(2 * x.offset[ids[t] * x.lanes + g]);
+        // VNNI takes the stored bytes q + 128 unsigned: each lane 128 x the sum of its own four
+        // qx more, subtracted lane by lane so that every lane holds what vpmaddubsw's does (the
+        // same float steps after it: the same bits as the AVX2 code).
+        if constexpr (kVnni) above[t] = DotGroup8Vnni(_mm256_set1_epi8(static_cast<char>(0x80)), xg[t]);
       }
       for (int j = 0; j < Jr; ++j) {
         const auto row = w.At(lo + j);
