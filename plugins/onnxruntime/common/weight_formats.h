@@ -396,46 +396,34 @@ template <class Format>
 void DequantizeRow(const Format& w, int64_t i, float* dst) {
   DequantizeUnits(w, w.At(i), 0, dst);
 }
-#if defined(__AVX512F__)
-// int4 rows on AVX-512: 32 columns (two units) from one 16-byte load, the nibbles split and
-// interleaved back into column order; the same q times the same scale as the units' loop.
+#if defined(__AVX2__)
+// int4 rows on AVX2 and AVX-512: 32 columns from one 16-byte load, the nibbles split and
+// interleaved back into column order, then converted a unit (8 or 16 columns) at a time; the same
+// q times the same scale as the units' loop.
 template <typename T>
 void DequantizeRow(const QuantRows<4, T>& w, int64_t i, float* dst) {
+  constexpr int W = QuantRows<4, T>::kWidth, kUnits = 32 / W;
   const auto row = w.At(i);
   const int64_t chunks = w.d / 32;
   const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
   for (int64_t c = 0; c < chunks; ++c) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.q + 16 * c));
     const __m128i low = _mm_and_si128(b, mask), high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    const __m128i units[2] = {_mm_sub_epi8(_mm_unpacklo_epi8(low, high), eight),   // columns 0 .. 15
-                              _mm_sub_epi8(_mm_unpackhi_epi8(low, high), eight)};  // 16 .. 31
-    for (int k = 0; k < 2; ++k) {
-      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(units[k]));
-      _mm512_storeu_ps(dst + 32 * c + 16 * k, _mm512_mul_ps(q, _mm512_set1_ps(w.Scale(row, (2 * c + k) >> w.block_shift))));
-    }
-  }
-  DequantizeUnits(w, row, 2 * chunks, dst);
-}
-#elif defined(__AVX2__)
-// int4 rows on AVX2: 32 columns (four units) from one 16-byte load, the nibbles split and
-// interleaved back into column order; the same q times the same scale as the units' loop.
-template <typename T>
-void DequantizeRow(const QuantRows<4, T>& w, int64_t i, float* dst) {
-  const auto row = w.At(i);
-  const int64_t chunks = w.d / 32;
-  const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.q + 16 * c));
-    const __m128i low = _mm_and_si128(b, mask), high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    const __m128i first = _mm_sub_epi8(_mm_unpacklo_epi8(low, high), eight);  // columns 0 .. 15
+    const __m128i first = _mm_sub_epi8(_mm_unpacklo_epi8(low, high), eight);   // columns 0 .. 15
     const __m128i second = _mm_sub_epi8(_mm_unpackhi_epi8(low, high), eight);  // 16 .. 31
-    const __m128i units[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
-    for (int k = 0; k < 4; ++k) {
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(units[k]));
-      _mm256_storeu_ps(dst + 32 * c + 8 * k, _mm256_mul_ps(q, _mm256_set1_ps(w.Scale(row, (4 * c + k) >> w.block_shift))));
+    for (int k = 0; k < kUnits; ++k) {
+      const float scale = w.Scale(row, (kUnits * c + k) >> w.block_shift);
+#if defined(__AVX512F__)
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(k == 0 ? first : second));
+      _mm512_storeu_ps(dst + 32 * c + W * k, _mm512_mul_ps(q, _mm512_set1_ps(scale)));
+#else
+      const __m128i half = k < 2 ? first : second;
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k % 2 ? _mm_srli_si128(half, 8) : half));
+      _mm256_storeu_ps(dst + 32 * c + W * k, _mm256_mul_ps(q, _mm256_set1_ps(scale)));
+#endif
     }
   }
-  DequantizeUnits(w, row, 4 * chunks, dst);
+  DequantizeUnits(w, row, kUnits * chunks, dst);
 }
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
