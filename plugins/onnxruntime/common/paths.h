@@ -22,16 +22,16 @@ constexpr const char* kPathNames[] = {"integer", "gemv", "batched", "prefill"};
 
 // The token counts timed (each of the few a decode batch most often has, then doubling); a call
 // takes the path chosen at the largest one not above its count.
-constexpr int64_t kPathGrid[] = {1, 2, 3, 4, 8, 16, 32, 64, 128};
+constexpr int64_t kPathGrid[] = {1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512};
 constexpr int kPathGridSize = sizeof kPathGrid / sizeof kPathGrid[0];
 
 // The calibration's activations stay within this many values (a wide matrix is timed at fewer
 // tokens; the larger grid points then keep the last timed choice).
 constexpr int64_t kCalibrationValues = int64_t{1} << 21;
 
-// The grid points timed for rows of `width` columns: 1 to 128 tokens, fewer for wide rows.
+// The grid points timed for rows of `width` columns: 1 to 512 tokens, fewer for wide rows.
 inline int64_t CalibrationTokens(int64_t width) {
-  return std::clamp<int64_t>(kCalibrationValues / std::max<int64_t>(width, 1), 1, 128);
+  return std::clamp<int64_t>(kCalibrationValues / std::max<int64_t>(width, 1), 1, 512);
 }
 
 struct PathChoice {
@@ -51,11 +51,15 @@ inline const char* ForcedPath() {
   return forced;
 }
 
+// Once the fastest path of a grid point takes this long, the larger points are not timed (they
+// keep its choice): the timing stays within a fraction of a second.
+constexpr double kLongestTimedSeconds = 0.01;
+
 // run(path, tokens) runs one call of `tokens` tokens on the given path, on the calling thread;
 // allowed(path, tokens) says whether a call can take it. Per grid point the fastest path (the
-// best of three timings each, the paths taking turns); then made monotone in the order of Path:
-// once a later path wins, no earlier one is taken for more tokens, so timing noise can never put
-// a cliff into the curve.
+// best of three timings each, the paths taking turns), up to kLongestTimedSeconds; made
+// monotone in the order of Path: once a later path wins, no earlier one is taken (or timed) for
+// more tokens, so timing noise can never put a cliff into the curve.
 template <class Run, class Allowed>
 PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
   PathChoice choice;
@@ -74,12 +78,13 @@ PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
       choice.at[i] = choice.at[i - 1];
       continue;
     }
+    const auto candidate = [&](Path path) { return allowed(path, tokens) && (i == 0 || path >= choice.at[i - 1]); };
     // The paths take turns, three rounds: a burst of load on a shared machine falls on all of
     // them alike, not on one path's three runs (the choice holds for the process's life).
     double fastest[4] = {1e30, 1e30, 1e30, 1e30};
     for (int repeat = 0; repeat < 3; ++repeat) {
       for (Path path : paths) {
-        if (!allowed(path, tokens)) continue;
+        if (!candidate(path)) continue;
         const auto start = std::chrono::steady_clock::now();
         run(path, tokens);
         double& best = fastest[static_cast<int>(path)];
@@ -87,11 +92,12 @@ PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
       }
     }
     double best = 0;
+    choice.at[i] = i ? choice.at[i - 1] : Path::kGemv;
     for (Path path : paths) {
-      if (!allowed(path, tokens)) continue;
+      if (!candidate(path)) continue;
       if (best == 0 || fastest[static_cast<int>(path)] < best) best = fastest[static_cast<int>(path)], choice.at[i] = path;
     }
-    if (i > 0 && choice.at[i] < choice.at[i - 1]) choice.at[i] = choice.at[i - 1];
+    if (best > kLongestTimedSeconds) max_tokens = tokens;
   }
   return choice;
 }

@@ -36,10 +36,14 @@ namespace INFMOE_VARIANT {
 namespace {
 
 constexpr int64_t kGroupTokens = 128;      // prefill: whole tokens per GEMM group
-constexpr int64_t kGroupPairs = 32, kMostGroupPairs = 256;  // prefill: single windows per GEMM group
+constexpr int64_t kGroupPairs = 32, kMostGroupPairs = 512;  // prefill: single windows per GEMM group
 constexpr int64_t kRowCost = 16;           // prefill plans: a row's reading, in items' GEMMs on it
-constexpr int64_t kHiddenBlock = 128;      // prefill: hidden units per work item (a group of windows sorted by start spans a few hundred)
+// Prefill: hidden units per work item. A window computes up to a block more rows than it covers,
+// and writes (then the sum reads) one partial output per block it reaches: short windows take
+// short blocks, long ones long blocks.
+inline int64_t HiddenBlock(const Sizes& s) { return s.r <= 512 ? 64 : 128; }
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
+constexpr int64_t kSumColumns = 64;        // prefill: output columns per work item of the partials' sum
 constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
 
 // GPT-2's tanh GELU, in place, vectorised by Eigen.
@@ -188,7 +192,7 @@ Vector ToVector(const T* v, int64_t n) {
 }
 
 // A prefill plan: items (a token with windows [k0, k0 + windows) of its K) in groups whose GEMMs
-// run over the union of their windows' rows, a block of kHiddenBlock rows at a time for the items
+// run over the union of their windows' rows, a block of HiddenBlock rows at a time for the items
 // that reach into it; cost, per block its rows times those items plus kRowCost (reading a row, or
 // converting a quantized one, costs about as much as the GEMMs of a dozen items on it).
 struct PrefillPlan {
@@ -201,33 +205,37 @@ struct PrefillPlan {
 };
 
 // The union of the items' windows, merged across gaps under kMergeGap, cut into blocks of
-// kHiddenBlock rows (a range's last block shorter).
+// HiddenBlock rows (a range's last block shorter).
 inline std::vector<Range> UnionBlocks(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n) {
   std::vector<Range> windows, blocks;
   for (int64_t i = 0; i < n; ++i) AddWindows(starts + items[i].token * s.k + items[i].k0, items[i].windows, s.r, windows);
   Merge(windows, kMergeGap);
   for (const Range& range : windows)
-    for (int64_t lo = range.lo; lo < range.hi; lo += kHiddenBlock) blocks.push_back({lo, std::min(lo + kHiddenBlock, range.hi)});
+    for (int64_t lo = range.lo; lo < range.hi; lo += HiddenBlock(s)) blocks.push_back({lo, std::min(lo + HiddenBlock(s), range.hi)});
   return blocks;
 }
 
-// The items (indices into items[0, n)) with a window reaching into rows [block.lo, block.hi).
-inline std::vector<int64_t> Reaching(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n,
-                                     const Range& block) {
-  std::vector<int64_t> reaching;
+// The items reaching into rows [block.lo, block.hi) (a window of theirs does), as the run of the
+// group's order from the first to the last of them: single windows sorted by start reach in one
+// run; whole tokens of several windows may leave items inside it that do not reach, which add
+// exact zeros. An empty run where none reaches.
+inline Range Reaching(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n,
+                      const Range& block) {
+  Range run{n, 0};
   for (int64_t g = 0; g < n; ++g) {
     const int64_t* first = starts + items[g].token * s.k + items[g].k0;
     if (std::any_of(first, first + items[g].windows,
                     [&](int64_t start) { return start < block.hi && start + s.r > block.lo; }))
-      reaching.push_back(g);
+      run.lo = std::min(run.lo, g), run.hi = g + 1;
   }
-  return reaching;
+  return run.hi ? run : Range{0, 0};
 }
 
 // Whole tokens sorted by their first window, kGroupTokens a group (their other windows may lie
 // anywhere: K r near H), or each window on its own, sorted by start and grouped while the starts
-// lie within r / 2 (kGroupPairs to kMostGroupPairs a group: a group reads, and converts, its rows
-// once), which keeps a group's rows narrow when a token's windows lie apart. The cheaper of the two.
+// lie within 2 r (kGroupPairs to kMostGroupPairs a group: a group reads, and converts, its rows
+// once, and its blocks' runs fill the GEMM's tiles), which keeps a group's rows narrow when a
+// token's windows lie apart. The cheaper of the two.
 inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
   PrefillPlan by_token, by_window;
   for (int64_t t = 0; t < s.tokens; ++t) by_token.items.push_back({t, 0, s.k});
@@ -247,7 +255,7 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
     for (int64_t begin = 0, n = 0; begin < pairs; begin += n) {
       n = std::min(kGroupPairs, pairs - begin);
       while (begin + n < pairs && n < kMostGroupPairs &&
-             start(by_window.items[begin + n]) - start(by_window.items[begin]) <= s.r / 2)
+             start(by_window.items[begin + n]) - start(by_window.items[begin]) <= 2 * s.r)
         ++n;
       by_window.ends.push_back(begin + n);
     }
@@ -257,8 +265,8 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
       const PrefillPlan::Item* items = &plan->items[begin];
       const int64_t n = plan->ends[g] - static_cast<int64_t>(begin);
       for (const Range& block : UnionBlocks(s, starts, items, n)) {
-        const int64_t reaching = static_cast<int64_t>(Reaching(s, starts, items, n, block).size());
-        plan->cost += (reaching + kRowCost) * (block.hi - block.lo);
+        const Range run = Reaching(s, starts, items, n, block);
+        plan->cost += (run.hi - run.lo + kRowCost) * (block.hi - block.lo);
       }
     }
   }
@@ -266,7 +274,8 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
 }
 
 // With xq (int8 activations, whole groups of 32 columns) w_in's GEMM is integer dots
-// (common/int8_dots.h: a block's rows transposed once into tiles for all the group's items).
+// (common/int8_dots.h: a block's rows transposed once into tiles for all the group's items);
+// without, a group's activations are laid out once as columns for every block's GEMM.
 template <typename T, class Format>
 void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_t* starts, const Format& w_in,
              const T* b_in, const Format& w_out, const T* b_out, T* y, const ParallelFor& parallel_for) {
@@ -278,36 +287,41 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
   const int64_t depth = PaddedDepth(s.d);
   RowMatrix sum = ToVector(b_out, s.d).transpose().replicate(s.tokens, 1);
   RowMatrix yg;
+  std::vector<float> columns, partials;
   for (size_t group = 0, begin = 0; group < plan.ends.size(); begin = plan.ends[group++]) {
     const PrefillPlan::Item* items = &plan.items[begin];
     const int64_t n = plan.ends[group] - static_cast<int64_t>(begin);
-    yg.setZero(n, s.d);
     const std::vector<Range> blocks = UnionBlocks(s, starts, items, n);
-    // One work item per block: the items reaching into it (the others would add exact zeros),
-    // their GEMM, bias, GELU and coverage, then their partial output; partials are added in block
-    // order afterwards.
-    std::vector<std::vector<int64_t>> reaching(blocks.size());
-    std::vector<RowMatrix> partials(blocks.size());
+    // Per block the run of items reaching into it (the others would add exact zeros), and where
+    // its partial outputs lie.
+    std::vector<Range> runs(blocks.size());
+    std::vector<int64_t> first_partial(blocks.size() + 1, 0);
+    for (size_t index = 0; index < blocks.size(); ++index) {
+      runs[index] = Reaching(s, starts, items, n, blocks[index]);
+      first_partial[index + 1] = first_partial[index] + runs[index].hi - runs[index].lo;
+    }
+    partials.resize(first_partial.back() * depth);
+    const int64_t ld = xq ? 0 : PackColumns(n, s.d, [&](int64_t g) { return x + items[g].token * s.d; }, columns);
+    // One work item per block: its run's GEMM, bias, GELU and coverage, then their partial outputs.
     parallel_for(blocks.size(), [&](size_t index) {
-      const Range& block = blocks[index];
-      const int64_t lo = block.lo, hi = block.hi;
-      const std::vector<int64_t>& in = reaching[index] = Reaching(s, starts, items, n, block);
-      const int64_t m = static_cast<int64_t>(in.size());
-      std::vector<int64_t> ids(m);
-      for (int64_t i = 0; i < m; ++i) ids[i] = items[in[i]].token;
-      RowMatrix scratch, hidden(m, hi - lo), coverage(m, hi - lo);
+      const int64_t lo = blocks[index].lo, hi = blocks[index].hi, rows = hi - lo;
+      const Range run = runs[index];
+      const int64_t m = run.hi - run.lo;
+      if (m == 0) return;
+      RowMatrix scratch, hidden(m, rows), coverage(m, rows);
       if (xq) {
-        IntDotsOf(*xq, ids.data(), m, w_in, lo, hi - lo, hidden.data());
+        std::vector<int64_t> ids(m);
+        for (int64_t i = 0; i < m; ++i) ids[i] = items[run.lo + i].token;
+        IntDotsOf(*xq, ids.data(), m, w_in, lo, rows, hidden.data());
       } else {
-        Gemm<true>(PackTokens(m, s.d, [&](int64_t i) { return x + ids[i] * s.d; }), m, s.d, Rows(w_in, lo, hi, scratch),
-                   s.d, hi - lo, hidden.data(), hi - lo);
+        Gemm<true>(ColumnTiles(columns, ld, run.lo), m, s.d, Rows(w_in, lo, hi, scratch), s.d, rows, hidden.data(), rows);
       }
-      hidden.rowwise() += bias_in.segment(lo, hi - lo).transpose();
+      hidden.rowwise() += bias_in.segment(lo, rows).transpose();
       GeluTanh(hidden.array());
+      coverage.setZero();
       for (int64_t i = 0; i < m; ++i) {  // the windows' counts (exact), then / K
-        const PrefillPlan::Item& item = items[in[i]];
+        const PrefillPlan::Item& item = items[run.lo + i];
         float* c = coverage.row(i).data();
-        std::fill(c, c + (hi - lo), 0.0f);
         for (int64_t k = 0; k < item.windows; ++k) {
           const int64_t start = starts[item.token * s.k + item.k0 + k];
           for (int64_t u = std::max(lo, start); u < std::min(hi, start + s.r); ++u) c[u - lo] += 1.0f;
@@ -317,17 +331,29 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
       // w_out's product by the batched path's axpys (common/batched.h): output columns across
       // the lanes, each sum over the block's rows in order, stored as rows of the partial.
       std::vector<float> out_scratch;
-      int64_t ld = 0;
-      const float* rows_out = FloatBlock(w_out, lo, hi, out_scratch, &ld);
-      partials[index].setZero(m, depth);
+      int64_t ldw = 0;
+      const float* rows_out = FloatBlock(w_out, lo, hi, out_scratch, &ldw);
+      float* partial = partials.data() + first_partial[index] * depth;
+      std::fill(partial, partial + m * depth, 0.0f);
       std::vector<float*> outs(m);
-      for (int64_t i = 0; i < m; ++i) outs[i] = partials[index].row(i).data();
-      Axpys(hidden.data(), hi - lo, m, rows_out, ld, hi - lo, depth, outs.data());
+      for (int64_t i = 0; i < m; ++i) outs[i] = partial + i * depth;
+      Axpys(hidden.data(), rows, m, rows_out, ldw, rows, depth, outs.data());
     });
-    for (size_t index = 0; index < blocks.size(); ++index)
-      for (size_t i = 0; i < reaching[index].size(); ++i)
-        yg.row(reaching[index][i]) += partials[index].row(static_cast<Index>(i)).head(s.d);
-    for (int64_t g = 0; g < n; ++g) sum.row(items[g].token) += yg.row(g);
+    // The partials added in block order, then each item into its token's sum: per column, the
+    // same order of additions whichever thread takes the column's chunk.
+    yg.resize(n, s.d);
+    const int64_t chunks = (s.d + kSumColumns - 1) / kSumColumns;
+    parallel_for(static_cast<size_t>(chunks), [&](size_t chunk) {
+      const int64_t c0 = static_cast<int64_t>(chunk) * kSumColumns, width = std::min(kSumColumns, s.d - c0);
+      yg.middleCols(c0, width).setZero();
+      for (size_t index = 0; index < blocks.size(); ++index)
+        for (int64_t i = 0; i < runs[index].hi - runs[index].lo; ++i) {
+          const float* partial = partials.data() + (first_partial[index] + i) * depth + c0;
+          float* row = yg.row(runs[index].lo + i).data() + c0;
+          for (int64_t c = 0; c < width; ++c) row[c] += partial[c];
+        }
+      for (int64_t g = 0; g < n; ++g) sum.row(items[g].token).segment(c0, width) += yg.row(g).segment(c0, width);
+    });
   }
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t j = 0; j < s.d; ++j) FromFloat(sum(t, j), y + t * s.d + j);
@@ -479,21 +505,27 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
   }
 }
 
-// Rows of the first call's matrices the path timing runs on: more than a core's L2 holds, as a
-// model's layers are. (Timed on fewer, held in L2, the GEMV path's reading of the rows again for
-// every token looked cheaper than it is, and it kept a batch of 8 tokens from the batched path.)
+// Rows of the first call's matrices the path timing runs on: all of them where they hold at most
+// kCalibrationWeights weights, so the windows lie as the call's will (on a few rows with windows
+// scaled to the same share, a window of 256 rows of 6144 became one of 85, where the prefill
+// path's blocks waste most, and the timing kept GEMV or batched where prefill is faster); else the
+// first kCalibrationRows, more than a core's L2 holds, as a model's layers are. (Timed on fewer,
+// held in L2, the GEMV path's reading of the rows again for every token looked cheaper than it
+// is, and it kept a batch of 8 tokens from the batched path.)
+constexpr int64_t kCalibrationWeights = int64_t{1} << 23;
 constexpr int64_t kCalibrationRows = 8 * kItemRows;
 
 // The path for this call (common/paths.h): with float activations GEMV for one token (streamed
 // at the bytes roofline); otherwise (GEMV per token too) as timed once per process, format and kind of activations
-// (kInt8), on the first kCalibrationRows rows of the first call's matrices, with the call's K
+// (kInt8), on the first call's matrices (or their first kCalibrationRows rows), with the call's K
 // and its share of them per window (r / H), the windows spread as a router spreads them: timed
 // with every token on the same rows, the prefill GEMM looked faster than it is.
 template <typename T, bool kInt8, class Format>
 Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
   if (s.tokens <= 1 && !ForcedPath() && !kInt8) return Path::kGemv;
   static const PathChoice choice = [&] {
-    const int64_t most = CalibrationTokens(s.d), h = std::min(s.h, kCalibrationRows);
+    const int64_t most = CalibrationTokens(s.d);
+    const int64_t h = s.h * s.d <= kCalibrationWeights ? s.h : std::min(s.h, kCalibrationRows);
     const Sizes part{0, s.d, h, s.k, std::clamp<int64_t>(s.r * h / s.h, 1, h)};
     std::vector<T> x(most * s.d), b_in(h), b_out(s.d), y(most * s.d);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);

@@ -246,16 +246,16 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
     const int64_t first = block * kAttentionQueries, n = std::min(kAttentionQueries, s.sequence - first);
     const int64_t keys = seen(b, first + n - 1), ld = (keys + 15) / 16 * 16;  // rows aligned for Softmax
     Eigen::ArrayXf scores(n * ld);
-    Gemm<true>(PackTokens(n, dim, [&](int64_t t) { return token(b, first + t) + h * dim; }), n, dim,
-               cache(present_key, b, h), dim, keys, scores.data(), ld);
+    const std::vector<float> queries = PackTokens(n, dim, [&](int64_t t) { return token(b, first + t) + h * dim; });
+    Gemm<true>(TilesOf(queries, dim), n, dim, cache(present_key, b, h), dim, keys, scores.data(), ld);
     for (int64_t t = 0; t < n; ++t) {
       float* row = scores.data() + t * ld;
       weigh(b, first + t, row);
       std::fill(row + seen(b, first + t), row + keys, 0.0f);
     }
-    Gemm<false>(PackTokens(n, keys, [&](int64_t t) { return scores.data() + t * ld; }), n, keys,
-                cache(present_value, b, h), dim, dim, y + (b * s.sequence + first) * s.heads * dim + h * dim,
-                s.heads * dim);
+    const std::vector<float> weights = PackTokens(n, keys, [&](int64_t t) { return scores.data() + t * ld; });
+    Gemm<false>(TilesOf(weights, keys), n, keys, cache(present_value, b, h), dim, dim,
+                y + (b * s.sequence + first) * s.heads * dim + h * dim, s.heads * dim);
   });
 }
 

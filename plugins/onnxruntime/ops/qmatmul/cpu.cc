@@ -47,7 +47,7 @@ void PrefillMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
   parallel_for(static_cast<size_t>((s.n + kMatMulRows - 1) / kMatMulRows), [&](size_t item) {
     const int64_t lo = static_cast<int64_t>(item) * kMatMulRows, rows = std::min(kMatMulRows, s.n - lo);
     RowMatrix scratch;
-    Gemm<true>(packed, s.tokens, s.k, Rows(w, lo, lo + rows, scratch), s.k, rows, y + lo, s.n);
+    Gemm<true>(TilesOf(packed, s.k), s.tokens, s.k, Rows(w, lo, lo + rows, scratch), s.k, rows, y + lo, s.n);
   });
 }
 
