@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <mutex>
 
 #include "common/variant.h"
 
@@ -36,9 +37,11 @@ inline int64_t CalibrationTokens(int64_t width) {
 
 struct PathChoice {
   Path at[kPathGridSize];
+  int timed = 0;         // grid points [0, timed) are chosen
+  bool settled = false;  // the points after the last timed keep its choice
   Path For(int64_t tokens) const {
     int i = 0;
-    while (i + 1 < kPathGridSize && kPathGrid[i + 1] <= tokens) ++i;
+    while (i + 1 < timed && kPathGrid[i + 1] <= tokens) ++i;
     return at[i];
   }
 };
@@ -52,20 +55,20 @@ inline const char* ForcedPath() {
 }
 
 // Once the fastest path of a grid point takes this long, the larger points are not timed (they
-// keep its choice): the timing stays within a fraction of a second.
+// keep its choice): the timing of a prefill's sizes stays within a fraction of a second.
 constexpr double kLongestTimedSeconds = 0.01;
 
-// run(path, tokens) runs one call of `tokens` tokens on the given path, on the calling thread;
-// allowed(path, tokens) says whether a call can take it. Per grid point the fastest path (the
-// best of three timings each, the paths taking turns), up to kLongestTimedSeconds; made
-// monotone in the order of Path: once a later path wins, no earlier one is taken (or timed) for
-// more tokens, so timing noise can never put a cliff into the curve.
+// Chooses grid points [choice.timed, end): run(path, tokens) runs one call of `tokens` tokens on
+// the given path, on the calling thread; allowed(path, tokens) says whether a call can take it.
+// Per grid point the fastest path (the best of three timings each, the paths taking turns), up
+// to max_tokens and until the fastest path of a point takes kLongestTimedSeconds; made monotone in
+// the order of Path: once a later path wins, no earlier one is taken (or timed) for more tokens,
+// so timing noise can never put a cliff into the curve.
 template <class Run, class Allowed>
-PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
-  PathChoice choice;
+void MeasurePaths(PathChoice& choice, int end, Run&& run, Allowed&& allowed, int64_t max_tokens) {
   const char* forced = ForcedPath();
   const Path paths[] = {Path::kInteger, Path::kGemv, Path::kBatched, Path::kPrefill};
-  for (int i = 0; i < kPathGridSize; ++i) {
+  for (int i = choice.timed; i < end; choice.timed = ++i) {
     const int64_t tokens = kPathGrid[i];
     if (forced) {
       int p = 0;
@@ -74,8 +77,9 @@ PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
       choice.at[i] = paths[p];
       continue;
     }
-    if (tokens > max_tokens) {  // not timed: as the last timed point
+    if (i > 0 && (choice.settled || tokens > max_tokens)) {  // not timed: as the last timed point
       choice.at[i] = choice.at[i - 1];
+      choice.settled = true;
       continue;
     }
     const auto candidate = [&](Path path) { return allowed(path, tokens) && (i == 0 || path >= choice.at[i - 1]); };
@@ -97,10 +101,29 @@ PathChoice MeasurePaths(Run&& run, Allowed&& allowed, int64_t max_tokens) {
       if (!candidate(path)) continue;
       if (best == 0 || fastest[static_cast<int>(path)] < best) best = fastest[static_cast<int>(path)], choice.at[i] = path;
     }
-    if (best > kLongestTimedSeconds) max_tokens = tokens;
+    if (best > kLongestTimedSeconds) choice.settled = true;
   }
-  return choice;
 }
+
+// The path of a call of `tokens` tokens, timed as calls need it, once per process and kind of
+// call: a call first times the grid points up to its own count not timed yet (measure(choice,
+// end) runs MeasurePaths up to grid point end, with what the call can time on), so a process
+// that only decodes never times a prefill's sizes. Calls from several threads wait for it.
+class PathTiming {
+ public:
+  template <class Measure>
+  Path For(int64_t tokens, Measure&& measure) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int end = choice_.timed;
+    while (end < kPathGridSize && kPathGrid[end] <= tokens) ++end;
+    if (end > choice_.timed) measure(choice_, end);
+    return choice_.For(tokens);
+  }
+
+ private:
+  std::mutex mutex_;
+  PathChoice choice_{};
+};
 
 }  // namespace
 }  // namespace INFMOE_VARIANT

@@ -516,15 +516,17 @@ constexpr int64_t kCalibrationWeights = int64_t{1} << 23;
 constexpr int64_t kCalibrationRows = 8 * kItemRows;
 
 // The path for this call (common/paths.h): with float activations GEMV for one token (streamed
-// at the bytes roofline); otherwise (GEMV per token too) as timed once per process, format and kind of activations
-// (kInt8), on the first call's matrices (or their first kCalibrationRows rows), with the call's K
+// at the bytes roofline); otherwise (GEMV per token too) as timed once per process, format and
+// kind of activations (kInt8), grid point by grid point as calls reach them (PathTiming), on the
+// call's matrices (or their first kCalibrationRows rows), with the call's K
 // and its share of them per window (r / H), the windows spread as a router spreads them: timed
 // with every token on the same rows, the prefill GEMM looked faster than it is.
 template <typename T, bool kInt8, class Format>
 Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
   if (s.tokens <= 1 && !ForcedPath() && !kInt8) return Path::kGemv;
-  static const PathChoice choice = [&] {
-    const int64_t most = CalibrationTokens(s.d);
+  static PathTiming timing;
+  return timing.For(s.tokens, [&](PathChoice& choice, int end) {
+    const int64_t most = std::min(CalibrationTokens(s.d), kPathGrid[end - 1]);
     const int64_t h = s.h * s.d <= kCalibrationWeights ? s.h : std::min(s.h, kCalibrationRows);
     const Sizes part{0, s.d, h, s.k, std::clamp<int64_t>(s.r * h / s.h, 1, h)};
     std::vector<T> x(most * s.d), b_in(h), b_out(s.d), y(most * s.d);
@@ -536,15 +538,14 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
     const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
       for (size_t i = 0; i < n; ++i) body(i);
     };
-    return MeasurePaths([&](Path path, int64_t tokens) {
+    MeasurePaths(choice, end, [&](Path path, int64_t tokens) {
       Sizes sizes = part;
       sizes.tokens = tokens;
       const QuantizedTokens xq(x.data(), kInt8 ? tokens : 0, s.d, kBitsOf<Format>);
       Compute(sizes, x.data(), kInt8 ? &xq : nullptr, starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(),
               inline_for, path);
     }, [](Path path, int64_t) { return path != Path::kInteger; }, most);
-  }();
-  return choice.For(s.tokens);
+  });
 }
 
 

@@ -114,18 +114,20 @@ void ComputeMatMul(const MatMulSizes& s, const T* x, const QuantizedTokens* xs, 
 }
 
 // The path for this call (common/paths.h), timed once per process, format and kind of
-// activations on rows of the first call's matrix.
+// activations, grid point by grid point as calls reach them, on rows of the call's matrix.
 template <int Bits, typename T, bool kInt8>
 Path MatMulPath(const MatMulSizes& s, const QuantRows<Bits, T>& w, int64_t block_size) {
-  static const PathChoice choice = [&] {
-    const int64_t most = CalibrationTokens(std::max(s.k, std::min<int64_t>(s.n, 4 * kBlockRows)));
+  static PathTiming timing;
+  return timing.For(s.tokens, [&](PathChoice& choice, int end) {
+    const int64_t most = std::min(CalibrationTokens(std::max(s.k, std::min<int64_t>(s.n, 4 * kBlockRows))),
+                                  kPathGrid[end - 1]);
     const MatMulSizes part{0, s.k, std::min<int64_t>(s.n, 4 * kBlockRows)};
     std::vector<T> x(most * s.k), y(most * part.n);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
     const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
       for (size_t i = 0; i < n; ++i) body(i);
     };
-    return MeasurePaths([&](Path path, int64_t tokens) {
+    MeasurePaths(choice, end, [&](Path path, int64_t tokens) {
       MatMulSizes sizes = part;
       sizes.tokens = tokens;
       if (kInt8) {
@@ -135,8 +137,7 @@ Path MatMulPath(const MatMulSizes& s, const QuantRows<Bits, T>& w, int64_t block
         ComputeMatMul(sizes, x.data(), nullptr, w, block_size, y.data(), inline_for, path);
       }
     }, [](Path path, int64_t) { return kInt8 || path != Path::kInteger; }, most);
-  }();
-  return choice.For(s.tokens);
+  });
 }
 
 template <int Bits, typename T>
