@@ -38,12 +38,15 @@ namespace {
 constexpr int64_t kGroupTokens = 128;      // prefill: whole tokens per GEMM group
 constexpr int64_t kGroupPairs = 32, kMostGroupPairs = 512;  // prefill: single windows per GEMM group
 constexpr int64_t kRowCost = 16;           // prefill plans: a row's reading, in items' GEMMs on it
-// Prefill: hidden units per work item. A window computes up to a block more rows than it covers,
-// and writes (then the sum reads) one partial output per block it reaches: short windows take
-// short blocks, long ones long blocks.
-inline int64_t HiddenBlock(const Sizes& s) { return s.r <= 512 ? 64 : 128; }
+// Prefill: windows of at most kShortWindow units take blocks of 64 hidden units per work item and
+// groups whose starts lie within 2 r; longer ones blocks of 128 and starts within r / 2. A window
+// computes up to a block more rows than it covers, and writes (then the sum reads) one partial
+// output per block it reaches, so long windows take long blocks; a group's partials grow with
+// its spread times r, and for long windows wide groups no longer stay in cache.
+constexpr int64_t kShortWindow = 512;
+inline int64_t HiddenBlock(const Sizes& s) { return s.r <= kShortWindow ? 64 : 128; }
+inline int64_t GroupSpread(const Sizes& s) { return s.r <= kShortWindow ? 2 * s.r : s.r / 2; }
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
-constexpr int64_t kSumColumns = 64;        // prefill: output columns per work item of the partials' sum
 constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
 
 // GPT-2's tanh GELU, in place, vectorised by Eigen.
@@ -215,25 +218,23 @@ inline std::vector<Range> UnionBlocks(const Sizes& s, const int64_t* starts, con
   return blocks;
 }
 
-// The items reaching into rows [block.lo, block.hi) (a window of theirs does), as the run of the
-// group's order from the first to the last of them: single windows sorted by start reach in one
-// run; whole tokens of several windows may leave items inside it that do not reach, which add
-// exact zeros. An empty run where none reaches.
-inline Range Reaching(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n,
-                      const Range& block) {
-  Range run{n, 0};
+// The items (indices into items[0, n), ascending) with a window reaching into rows
+// [block.lo, block.hi). Single windows sorted by start reach a block in one run.
+inline std::vector<int64_t> Reaching(const Sizes& s, const int64_t* starts, const PrefillPlan::Item* items, int64_t n,
+                                     const Range& block) {
+  std::vector<int64_t> reaching;
   for (int64_t g = 0; g < n; ++g) {
     const int64_t* first = starts + items[g].token * s.k + items[g].k0;
     if (std::any_of(first, first + items[g].windows,
                     [&](int64_t start) { return start < block.hi && start + s.r > block.lo; }))
-      run.lo = std::min(run.lo, g), run.hi = g + 1;
+      reaching.push_back(g);
   }
-  return run.hi ? run : Range{0, 0};
+  return reaching;
 }
 
 // Whole tokens sorted by their first window, kGroupTokens a group (their other windows may lie
 // anywhere: K r near H), or each window on its own, sorted by start and grouped while the starts
-// lie within 2 r (kGroupPairs to kMostGroupPairs a group: a group reads, and converts, its rows
+// lie within GroupSpread (kGroupPairs to kMostGroupPairs a group: a group reads, and converts, its rows
 // once, and its blocks' runs fill the GEMM's tiles), which keeps a group's rows narrow when a
 // token's windows lie apart. The cheaper of the two.
 inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
@@ -255,7 +256,7 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
     for (int64_t begin = 0, n = 0; begin < pairs; begin += n) {
       n = std::min(kGroupPairs, pairs - begin);
       while (begin + n < pairs && n < kMostGroupPairs &&
-             start(by_window.items[begin + n]) - start(by_window.items[begin]) <= 2 * s.r)
+             start(by_window.items[begin + n]) - start(by_window.items[begin]) <= GroupSpread(s))
         ++n;
       by_window.ends.push_back(begin + n);
     }
@@ -265,8 +266,8 @@ inline PrefillPlan PlanPrefill(const Sizes& s, const int64_t* starts) {
       const PrefillPlan::Item* items = &plan->items[begin];
       const int64_t n = plan->ends[g] - static_cast<int64_t>(begin);
       for (const Range& block : UnionBlocks(s, starts, items, n)) {
-        const Range run = Reaching(s, starts, items, n, block);
-        plan->cost += (run.hi - run.lo + kRowCost) * (block.hi - block.lo);
+        const int64_t reaching = static_cast<int64_t>(Reaching(s, starts, items, n, block).size());
+        plan->cost += (reaching + kRowCost) * (block.hi - block.lo);
       }
     }
   }
@@ -292,35 +293,40 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     const PrefillPlan::Item* items = &plan.items[begin];
     const int64_t n = plan.ends[group] - static_cast<int64_t>(begin);
     const std::vector<Range> blocks = UnionBlocks(s, starts, items, n);
-    // Per block the run of items reaching into it (the others would add exact zeros), and where
-    // its partial outputs lie.
-    std::vector<Range> runs(blocks.size());
+    // Per block the items reaching into it (the others would add exact zeros), and where its
+    // partial outputs lie.
+    std::vector<std::vector<int64_t>> reaching(blocks.size());
     std::vector<int64_t> first_partial(blocks.size() + 1, 0);
     for (size_t index = 0; index < blocks.size(); ++index) {
-      runs[index] = Reaching(s, starts, items, n, blocks[index]);
-      first_partial[index + 1] = first_partial[index] + runs[index].hi - runs[index].lo;
+      reaching[index] = Reaching(s, starts, items, n, blocks[index]);
+      first_partial[index + 1] = first_partial[index] + static_cast<int64_t>(reaching[index].size());
     }
     partials.resize(first_partial.back() * depth);
     const int64_t ld = xq ? 0 : PackColumns(n, s.d, [&](int64_t g) { return x + items[g].token * s.d; }, columns);
     // One work item per block: its run's GEMM, bias, GELU and coverage, then their partial outputs.
     parallel_for(blocks.size(), [&](size_t index) {
       const int64_t lo = blocks[index].lo, hi = blocks[index].hi, rows = hi - lo;
-      const Range run = runs[index];
-      const int64_t m = run.hi - run.lo;
+      const std::vector<int64_t>& in = reaching[index];
+      const int64_t m = static_cast<int64_t>(in.size());
       if (m == 0) return;
       RowMatrix scratch, hidden(m, rows), coverage(m, rows);
       if (xq) {
         std::vector<int64_t> ids(m);
-        for (int64_t i = 0; i < m; ++i) ids[i] = items[run.lo + i].token;
+        for (int64_t i = 0; i < m; ++i) ids[i] = items[in[i]].token;
         IntDotsOf(*xq, ids.data(), m, w_in, lo, rows, hidden.data());
       } else {
-        Gemm<true>(ColumnTiles(columns, ld, run.lo), m, s.d, Rows(w_in, lo, hi, scratch), s.d, rows, hidden.data(), rows);
+        // One run of the group's order (single windows) is read in place, others gathered.
+        std::vector<float> gathered;
+        const TokenTiles tiles = in.back() - in.front() + 1 == m
+            ? ColumnTiles(columns, ld, in.front())
+            : TilesOf(gathered = PackTokens(m, s.d, [&](int64_t i) { return x + items[in[i]].token * s.d; }), s.d);
+        Gemm<true>(tiles, m, s.d, Rows(w_in, lo, hi, scratch), s.d, rows, hidden.data(), rows);
       }
       hidden.rowwise() += bias_in.segment(lo, rows).transpose();
       GeluTanh(hidden.array());
       coverage.setZero();
       for (int64_t i = 0; i < m; ++i) {  // the windows' counts (exact), then / K
-        const PrefillPlan::Item& item = items[run.lo + i];
+        const PrefillPlan::Item& item = items[in[i]];
         float* c = coverage.row(i).data();
         for (int64_t k = 0; k < item.windows; ++k) {
           const int64_t start = starts[item.token * s.k + item.k0 + k];
@@ -339,21 +345,13 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
       for (int64_t i = 0; i < m; ++i) outs[i] = partial + i * depth;
       Axpys(hidden.data(), rows, m, rows_out, ldw, rows, depth, outs.data());
     });
-    // The partials added in block order, then each item into its token's sum: per column, the
-    // same order of additions whichever thread takes the column's chunk.
-    yg.resize(n, s.d);
-    const int64_t chunks = (s.d + kSumColumns - 1) / kSumColumns;
-    parallel_for(static_cast<size_t>(chunks), [&](size_t chunk) {
-      const int64_t c0 = static_cast<int64_t>(chunk) * kSumColumns, width = std::min(kSumColumns, s.d - c0);
-      yg.middleCols(c0, width).setZero();
-      for (size_t index = 0; index < blocks.size(); ++index)
-        for (int64_t i = 0; i < runs[index].hi - runs[index].lo; ++i) {
-          const float* partial = partials.data() + (first_partial[index] + i) * depth + c0;
-          float* row = yg.row(runs[index].lo + i).data() + c0;
-          for (int64_t c = 0; c < width; ++c) row[c] += partial[c];
-        }
-      for (int64_t g = 0; g < n; ++g) sum.row(items[g].token).segment(c0, width) += yg.row(g).segment(c0, width);
-    });
+    // The partials added in block order, then each item into its token's sum.
+    yg.setZero(n, s.d);
+    for (size_t index = 0; index < blocks.size(); ++index)
+      for (size_t i = 0; i < reaching[index].size(); ++i)
+        yg.row(reaching[index][i]) += Eigen::Map<const Eigen::RowVectorXf>(
+            partials.data() + (first_partial[index] + static_cast<int64_t>(i)) * depth, s.d);
+    for (int64_t g = 0; g < n; ++g) sum.row(items[g].token) += yg.row(g);
   }
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t j = 0; j < s.d; ++j) FromFloat(sum(t, j), y + t * s.d + j);
