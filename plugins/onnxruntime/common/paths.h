@@ -56,7 +56,7 @@ inline const char* ForcedPath() {
 
 // Once the fastest path of a grid point takes this long, the larger points are not timed (they
 // keep its choice): the timing of a prefill's sizes stays within a fraction of a second.
-constexpr double kLongestTimedSeconds = 0.01;
+constexpr double kLongestTimedSeconds = 0.05;
 
 // Chooses grid points [choice.timed, end): run(path, tokens) runs one call of `tokens` tokens on
 // the given path, on the calling thread; allowed(path, tokens) says whether a call can take it.

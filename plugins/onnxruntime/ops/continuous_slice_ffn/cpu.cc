@@ -47,6 +47,7 @@ constexpr int64_t kShortWindow = 512;
 inline int64_t HiddenBlock(const Sizes& s) { return s.r <= kShortWindow ? 64 : 128; }
 inline int64_t GroupSpread(const Sizes& s) { return s.r <= kShortWindow ? 2 * s.r : s.r / 2; }
 constexpr int64_t kMergeGap = 32;          // prefill: fill uncovered gaps shorter than this
+constexpr int64_t kSumItems = 16;          // prefill: items per work item of the partials' sum
 constexpr size_t kKeptPlan = 1024;         // decode: windows a thread keeps room for between calls
 
 // GPT-2's tanh GELU, in place, vectorised by Eigen.
@@ -345,12 +346,19 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
       for (int64_t i = 0; i < m; ++i) outs[i] = partial + i * depth;
       Axpys(hidden.data(), rows, m, rows_out, ldw, rows, depth, outs.data());
     });
-    // The partials added in block order, then each item into its token's sum.
-    yg.setZero(n, s.d);
+    // Each item's partials added in block order (items split over the threads, a row each), then
+    // each item into its token's sum in item order.
+    std::vector<std::vector<int64_t>> parts(n);  // per item, its partials' rows in block order
     for (size_t index = 0; index < blocks.size(); ++index)
       for (size_t i = 0; i < reaching[index].size(); ++i)
-        yg.row(reaching[index][i]) += Eigen::Map<const Eigen::RowVectorXf>(
-            partials.data() + (first_partial[index] + static_cast<int64_t>(i)) * depth, s.d);
+        parts[reaching[index][i]].push_back(first_partial[index] + static_cast<int64_t>(i));
+    yg.resize(n, s.d);
+    parallel_for(static_cast<size_t>((n + kSumItems - 1) / kSumItems), [&](size_t chunk) {
+      for (int64_t g = static_cast<int64_t>(chunk) * kSumItems; g < std::min(n, (static_cast<int64_t>(chunk) + 1) * kSumItems); ++g) {
+        yg.row(g).setZero();
+        for (int64_t row : parts[g]) yg.row(g) += Eigen::Map<const Eigen::RowVectorXf>(partials.data() + row * depth, s.d);
+      }
+    });
     for (int64_t g = 0; g < n; ++g) sum.row(items[g].token) += yg.row(g);
   }
   for (int64_t t = 0; t < s.tokens; ++t)
