@@ -14,6 +14,15 @@ namespace infmoe {
 // Results never depend on how the calls are spread over threads.
 using ParallelFor = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
 
+// A ParallelFor on the calling thread, i in order: for calls too small to wake the pool, and for
+// the path timing (common/paths.h), which times one thread's arithmetic.
+inline const ParallelFor& InlineFor() {
+  static const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
+    for (size_t i = 0; i < n; ++i) body(i);
+  };
+  return inline_for;
+}
+
 // The quantized weights of QContinuousSliceFFN and QMatMul (SPEC §6): `bits`-bit integers (uint8
 // storage, offset 2^(bits-1); int4: two per byte, even column in the low nibble) with one scale
 // of type T per block of block_size columns of a row.

@@ -2,8 +2,8 @@
 // (common/batched.h), the prefill GEMM (common/gemm.h), or with int8 activations the integer dots
 // (common/int8_dots.h; the float paths then multiply the dequantized int8 activations). Every path reads each weight row a call
 // needs once, so they differ in arithmetic only; the choice comes from timing each path's
-// arithmetic on this machine (rows of the call's own matrix, in cache) once per process and
-// weight format, not from a fixed token count. INFMOE_PATH=gemv|batched|prefill|integer forces one
+// arithmetic on this machine (rows of the call's own matrix) once per process and weight format,
+// as calls reach each token count (PathTiming), not from a fixed token count. INFMOE_PATH=gemv|batched|prefill|integer forces one
 // (tests, benchmarks; where the call cannot take it, the next in the order below). The paths'
 // results differ by float rounding only.
 #pragma once

@@ -10,10 +10,6 @@ struct Sizes {
   int64_t tokens, d, h, k, r;
 };
 
-// Runs body(i) for every i in [0, n), possibly in parallel (onnxruntime's intra-op pool).
-// Results never depend on how the calls are spread over threads.
-using ParallelFor = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
-
 // Empty when every start lies in [0, h - r]; otherwise the message naming the first that does
 // not, e.g. "starts[5] = 40 is outside [0, 39] (H = 48, slice_width = 9)". Callers must check
 // this (and 1 <= r <= h, k >= 1) before calling either op.

@@ -304,7 +304,7 @@ void Prefill(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
     }
     partials.resize(first_partial.back() * depth);
     const int64_t ld = xq ? 0 : PackColumns(n, s.d, [&](int64_t g) { return x + items[g].token * s.d; }, columns);
-    // One work item per block: its run's GEMM, bias, GELU and coverage, then their partial outputs.
+    // One work item per block: its items' GEMM, bias, GELU and coverage, then their partial outputs.
     parallel_for(blocks.size(), [&](size_t index) {
       const int64_t lo = blocks[index].lo, hi = blocks[index].hi, rows = hi - lo;
       const std::vector<int64_t>& in = reaching[index];
@@ -511,7 +511,7 @@ void Compute(const Sizes& s, const T* x, const QuantizedTokens* xq, const int64_
   }
 }
 
-// Rows of the first call's matrices the path timing runs on: all of them where they hold at most
+// Rows of the call's matrices the path timing runs on: all of them where they hold at most
 // kCalibrationWeights weights, so the windows lie as the call's will (on a few rows with windows
 // scaled to the same share, a window of 256 rows of 6144 became one of 85, where the prefill
 // path's blocks waste most, and the timing kept GEMV or batched where prefill is faster); else the
@@ -541,15 +541,12 @@ Path PathFor(const Sizes& s, const Format& w_in, const Format& w_out) {
     for (T& v : b_out) FromFloat(0.0f, &v);
     std::vector<int64_t> starts(most * s.k);
     for (size_t i = 0; i < starts.size(); ++i) starts[i] = static_cast<int64_t>(i * 2654435761u % 4294967296u) % (h - part.r + 1);
-    const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
-      for (size_t i = 0; i < n; ++i) body(i);
-    };
     MeasurePaths(choice, end, [&](Path path, int64_t tokens) {
       Sizes sizes = part;
       sizes.tokens = tokens;
       const QuantizedTokens xq(x.data(), kInt8 ? tokens : 0, s.d, kBitsOf<Format>);
       Compute(sizes, x.data(), kInt8 ? &xq : nullptr, starts.data(), w_in, b_in.data(), w_out, b_out.data(), y.data(),
-              inline_for, path);
+              InlineFor(), path);
     }, [](Path path, int64_t) { return path != Path::kInteger; }, most);
   });
 }

@@ -187,10 +187,7 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
   // rest zeroed; then the new keys and values after them.
   const bool shared = present_key == past_key && present_value == past_value;
   const int64_t work = heads * s.sequence * (s.total + 1) * dim;
-  const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
-    for (size_t i = 0; i < n; ++i) body(i);
-  };
-  const ParallelFor& loop = work < kAttentionInline ? inline_for : parallel_for;
+  const ParallelFor& loop = work < kAttentionInline ? InlineFor() : parallel_for;
   loop(static_cast<size_t>(heads), [&](size_t item) {
     const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
     for (int which = 0; which < 2; ++which) {

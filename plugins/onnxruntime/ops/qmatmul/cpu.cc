@@ -124,17 +124,14 @@ Path MatMulPath(const MatMulSizes& s, const QuantRows<Bits, T>& w, int64_t block
     const MatMulSizes part{0, s.k, std::min<int64_t>(s.n, 4 * kBlockRows)};
     std::vector<T> x(most * s.k), y(most * part.n);
     for (size_t i = 0; i < x.size(); ++i) FromFloat(static_cast<float>(i % 7) * 0.25f - 0.75f, &x[i]);
-    const ParallelFor inline_for = [](size_t n, const std::function<void(size_t)>& body) {
-      for (size_t i = 0; i < n; ++i) body(i);
-    };
     MeasurePaths(choice, end, [&](Path path, int64_t tokens) {
       MatMulSizes sizes = part;
       sizes.tokens = tokens;
       if (kInt8) {
         const QuantizedTokens xs(x.data(), tokens, s.k, Bits);
-        ComputeMatMul(sizes, x.data(), &xs, w, block_size, y.data(), inline_for, path);
+        ComputeMatMul(sizes, x.data(), &xs, w, block_size, y.data(), InlineFor(), path);
       } else {
-        ComputeMatMul(sizes, x.data(), nullptr, w, block_size, y.data(), inline_for, path);
+        ComputeMatMul(sizes, x.data(), nullptr, w, block_size, y.data(), InlineFor(), path);
       }
     }, [](Path path, int64_t) { return kInt8 || path != Path::kInteger; }, most);
   });
