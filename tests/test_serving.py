@@ -401,12 +401,12 @@ def test_killed_model_process_recovers_and_no_request_is_lost(repository):
         killed = []
 
         def kill(stop):
-            time.sleep(0.5)
+            time.sleep(0.1)  # early: the whole load may take well under a second
             for pid in server.stub_pids():
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
-        row = run_load(server.http_url, 4, list(KS), sequences_per_stream=12, tokens=24, deadline_s=60,
+        row = run_load(server.http_url, 4, list(KS), sequences_per_stream=40, tokens=24, deadline_s=60,
                        timeout=20, during=kill)
         print(json.dumps(row))
         assert killed and row["hung_streams"] == 0
