@@ -12,7 +12,7 @@ import threading
 
 import click
 
-from .errors import InfMoEError
+from .errors import INTERRUPTED, InfMoEError
 
 # command name -> ("module:attribute" of a click.Command, one-line help shown by --help)
 COMMANDS = {
@@ -61,12 +61,6 @@ def cli(debug):
 def one_line(message) -> str:
     """A message on one line, whatever paths it quotes (a file name may hold a newline)."""
     return str(message).replace("\r", "\\r").replace("\n", "\\n")
-
-
-# Set by a Ctrl-C during a command. A library may swallow the KeyboardInterrupt it raises
-# (Polygraphy's bare `except:` around its lazy imports turns it into "unsupported type"; torch.export
-# into an export failure): the error boundary then still reports an interruption.
-INTERRUPTED = {"on": False}
 
 
 def _interrupt(signum, frame):

@@ -9,6 +9,8 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +292,34 @@ def test_a_ctrl_c_a_library_swallowed_is_still_an_interruption(run_cli, monkeypa
     code, _, err = run_cli("doctor")
     assert code == 130 and err.strip() == "interrupted"
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.timeout(120)  # without the check it trains for ever
+def test_a_dropped_ctrl_c_still_stops_a_long_loop(tmp_path, run_cli, text_file):
+    """Python drops a KeyboardInterrupt raised while a finalizer runs (a garbage collection in the
+    middle of a training step): the Ctrl-C's flag still stops training (2^64 steps asked) at its
+    next step, and the command exits 130 with no checkpoint written. Here the handler runs on
+    another thread, whose KeyboardInterrupt is dropped there, as a finalizer's would be."""
+    handler = signal.getsignal(signal.SIGINT)
+
+    def ctrl_c_dropped():
+        deadline = time.monotonic() + 20
+        while signal.getsignal(signal.SIGINT) is handler and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the command has put its handler in
+        time.sleep(0.5)  # training under way
+        try:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            pass
+    timer = threading.Thread(target=ctrl_c_dropped)
+    timer.start()
+    started = time.monotonic()
+    code, _, err = run_cli("train", "--out", tmp_path / "out", "--corpus", text_file, "--steps", 2 ** 64,
+                           "--d-model", "8", "--n-layer", "1", "--n-head", "2", "--ffn-hidden", "16",
+                           "--slice-width", "4", "--n-positions", "16", "--batch-size", "2")
+    timer.join()
+    assert code == 130 and time.monotonic() - started < 30, err
+    assert not (tmp_path / "out").exists() and signal.getsignal(signal.SIGINT) is handler
 
 
 def test_unexpected_errors_are_one_line_unless_debug(run_cli, monkeypatch):

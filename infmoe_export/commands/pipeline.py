@@ -34,7 +34,7 @@ import torch
 from rich.console import Console
 
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_config
-from ..errors import InfMoEError
+from ..errors import InfMoEError, raise_if_interrupted
 from ..export import export_many
 from ..files import check_replaceable_dir, locked, staged_dir
 from ..model import NOISE_MODES
@@ -127,6 +127,7 @@ class Stages:
 
         def advance(description: str = ""):
             nonlocal count
+            raise_if_interrupted()
             self.progress.update(self.task, completed=start + min(count, items) * cost, description=description)
             count += 1
 

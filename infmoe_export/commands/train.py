@@ -11,7 +11,7 @@ import click
 from ..checkpoint import save_checkpoint
 from ..data import corpus_bytes, encode, windows
 from ..evaluate import expert_load, router_spread
-from ..errors import InfMoEError
+from ..errors import InfMoEError, raise_if_interrupted
 from ..files import check_replaceable_dir
 from ..limits import check_fits, forward_bytes
 from ..model import ROUTER_SOFTMAX, InfMoEConfig, MoEConfig
@@ -95,6 +95,7 @@ def train_command(corpus, out, d_model, n_layer, n_head, ffn_hidden, slice_width
         last_val = [None]
 
         def on_step(step, loss, val):
+            raise_if_interrupted()
             last_val[0] = val if val is not None else last_val[0]
             status = f"loss {loss:.3f}" + (f"  val {last_val[0]:.3f}" if last_val[0] is not None else "")
             progress.update(task, advance=1, status=status)
