@@ -311,13 +311,13 @@ def test_a_dropped_ctrl_c_still_stops_a_long_loop(tmp_path, run_cli, text_file):
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         except KeyboardInterrupt:
             pass
-    timer = threading.Thread(target=ctrl_c_dropped)
-    timer.start()
+    ctrl_c = threading.Thread(target=ctrl_c_dropped)
+    ctrl_c.start()
     started = time.monotonic()
     code, _, err = run_cli("train", "--out", tmp_path / "out", "--corpus", text_file, "--steps", 2 ** 64,
                            "--d-model", "8", "--n-layer", "1", "--n-head", "2", "--ffn-hidden", "16",
                            "--slice-width", "4", "--n-positions", "16", "--batch-size", "2")
-    timer.join()
+    ctrl_c.join()
     assert code == 130 and time.monotonic() - started < 30, err
     assert not (tmp_path / "out").exists() and signal.getsignal(signal.SIGINT) is handler
 

@@ -376,10 +376,9 @@ void TileScales(const T* const* scale, int64_t blocks, float* scales, int64_t st
     for (int l = 0; l < 8; ++l) scales[b * stride + l] = ToFloat(scale[l][b]);
 }
 
-// Asks for rows [lo, lo + n) of w in L2, a line at a time, ahead of their first read (into L2: a
-// tile's hundred-odd lines at once would overrun L1's outstanding misses). Rows lie stride bytes
-// apart, their scales blocks apart. Always inlined: GCC takes a function of prefetches alone for
-// one without effects and drops its calls.
+// Asks for rows [lo, lo + n) of w in L2, a line at a time, ahead of their first read. Rows lie
+// stride bytes apart, their scales blocks apart. Always inlined: GCC takes a function of
+// prefetches alone for one without effects and drops its calls.
 template <int Bits, typename T>
 [[gnu::always_inline]] inline void PrefetchRows(const QuantRows<Bits, T>& w, int64_t lo, int64_t n) {
   const auto first = w.At(lo);
