@@ -130,7 +130,7 @@ def front_model_steps(repo: Path, threads: int, route_key: str = f"{K}/{PRECISIO
     io, config = exported.io, exported.io.config
     runner = SharedRunner(session, io.past_names)
     runner.pool = Pool(runner, io.past_names, 1, config.n_head, config.n_positions, config.head_dim,
-                       config.vocab_size)
+                       config.vocab_size, cache_dtype=io.cache_dtype)
     prompt = np.frombuffer(PROMPTS[0], np.uint8).astype(np.int64)
     state = {"sequence": None, "cache": None, "token": None}
 

@@ -71,6 +71,10 @@ SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "total_sequence_length"
 # (level 1), or int8 per row and group of 32 columns with integer dot products (judged at level 2).
 # A model carries the kind it is deployed with (infmoe.activations); a session may ask for the other.
 ACTIVATION_KINDS = ("float", "int8")
+# The KV cache's element type (past_key_values.* and present.*): float32, or float16 on the
+# onnxruntime target, whose attention reads it converted to float32 (half the bytes a decode step
+# reads of it; its keys and values rounded to 11 bits, judged at level 2). Older files: float32.
+KV_CACHES = ("float32", "float16")
 
 
 def precision_name(dtype: str, quantize_other: str = "none") -> str:
@@ -80,6 +84,12 @@ def precision_name(dtype: str, quantize_other: str = "none") -> str:
     if quantize_other == "none":
         return f"{dtype} experts" if dtype in BITS else dtype
     return f"all-{dtype}" if dtype == quantize_other else f"{dtype} experts, {quantize_other} other"
+
+
+def export_label(target: str, precision: str, kv_cache: str = "float32") -> str:
+    """What was exported, as commands and reports name it: 'onnxruntime all-int4', with ' kv16'
+    for a float16 KV cache."""
+    return f"{target} {precision}" + (" kv16" if kv_cache == "float16" else "")
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,7 @@ class DecoderIO:
     quantize_other: str = "none"
     target: str = DEFAULT_TARGET
     activations: str = "float"
+    kv_cache: str = "float32"
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_K:
@@ -112,6 +123,12 @@ class DecoderIO:
         if self.activations == "int8" and not (self.quantized and self.target == "onnxruntime"):
             raise InfMoEError("int8 activations apply to the onnxruntime target's int8 / int4 weights, "
                               f"not to a {self.target} {self.precision} model")
+        if self.kv_cache not in KV_CACHES:
+            raise InfMoEError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.kv_cache == "float16" and self.target != "onnxruntime":
+            raise InfMoEError(f"a float16 KV cache applies to the onnxruntime target, not to {self.target}")
+        if self.kv_cache == "float16" and not self.past:
+            raise InfMoEError("a float16 KV cache applies to a model with a cache, not to one without past")
         if self.is_moe:
             self._check_moe()
 
@@ -176,8 +193,13 @@ class DecoderIO:
 
     @property
     def label(self) -> str:
-        """What was exported, as commands and reports name it: 'onnxruntime all-int4'."""
-        return f"{self.target} {self.precision}"
+        """What was exported, as commands and reports name it (export_label)."""
+        return export_label(self.target, self.precision, self.kv_cache)
+
+    @property
+    def cache_dtype(self) -> type:
+        """The numpy dtype of past_key_values.* and present.*."""
+        return np.float16 if self.kv_cache == "float16" else np.float32
 
     @property
     def shares_cache(self) -> bool:
@@ -227,24 +249,28 @@ class DecoderIO:
         return {name: shapes[name] for name in self.input_names + self.output_names}
 
     def dtypes(self) -> Dict[str, type]:
-        """numpy dtype per input/output: float32 in every export (fp16 is inside the FFN)."""
+        """numpy dtype per input/output: float32 (fp16 is inside the FFN) but the ids, the mask,
+        the starts (int64) and the cache (cache_dtype)."""
         types = {name: np.float32 for name in self.input_names + self.output_names}
         types.update({"input_ids": np.int64, "attention_mask": np.int64})
+        types.update({name: self.cache_dtype for name in self.input_names + self.output_names
+                      if name.startswith(("past_key_values.", "present."))})
         types.update({name: np.int64 for name in self.output_names if name.startswith("expert_starts.")})
         return types
 
     # -- feeds -------------------------------------------------------------------------------
 
     def feed(self, input_ids, attention_mask, past: Optional[Sequence] = None, expert_noise=None) -> "OrderedDict":
-        """An input feed (numpy, ONNX names) from arrays; past is the flat list of present arrays."""
+        """An input feed (numpy, ONNX names) from arrays; past is the flat list of present arrays
+        (converted to cache_dtype where they are not: a float32 reference's cache)."""
         step = self.step_inputs(input_ids, attention_mask, expert_noise)
         feed = OrderedDict((name, step.pop(name)) for name in ("input_ids", "attention_mask"))
         if self.past:
             if past is None:  # prefill: an empty cache
                 c = self.config
-                empty = np.zeros((feed["input_ids"].shape[0], c.n_head, 0, c.head_dim), dtype=np.float32)
+                empty = np.zeros((feed["input_ids"].shape[0], c.n_head, 0, c.head_dim), dtype=self.cache_dtype)
                 past = [empty] * len(self.past_names)
-            feed.update(zip(self.past_names, past))
+            feed.update((name, np.asarray(array, self.cache_dtype)) for name, array in zip(self.past_names, past))
         feed.update(step)
         return feed
 
@@ -268,7 +294,7 @@ class DecoderIO:
         past_sequence = past_sequence if self.past else 0
         mask = np.ones((batch, past_sequence + sequence), dtype=np.int64)
         mask[0, :left_pad] = 0
-        past = [rng.standard_normal((batch, c.n_head, past_sequence, c.head_dim)).astype(np.float32)
+        past = [rng.standard_normal((batch, c.n_head, past_sequence, c.head_dim)).astype(self.cache_dtype)
                 for _ in self.past_names] if self.past else None
         noise = rng.standard_normal((batch, sequence, self.k)) if self.noise == "sampled" else None
         return self.feed(ids, mask, past, noise)
@@ -295,20 +321,23 @@ class DecoderIO:
                 "infmoe.block_size": str(self.block_size), "infmoe.quantize_other": self.quantize_other,
                 "infmoe.quantized": ",".join(self.quantized),
                 "infmoe.target": self.target, "infmoe.activations": self.activations,
-                "infmoe.opset": str(opset), "infmoe.has_function": str(int(has_function)),
+                "infmoe.kv_cache": self.kv_cache, "infmoe.opset": str(opset),
+                "infmoe.has_function": str(int(has_function)),
                 "infmoe.exporter_version": __version__}
 
     @classmethod
     def from_metadata(cls, props: Dict[str, str]) -> "DecoderIO":
         try:
             config = config_from_dict(json.loads(props["infmoe.config"]))
-            # Files from before quantization have no block size or quantize_other: nothing else quantized.
+            # Files from before quantization have no block size or quantize_other: nothing else
+            # quantized; from before targets, activations and kv_cache: portable, float, float32.
             return cls(config, int(props["infmoe.k"]), props["infmoe.noise"], props["infmoe.past"] == "1",
                        props["infmoe.with_starts"] == "1", props["infmoe.dtype"],
                        int(props.get("infmoe.block_size", DEFAULT_BLOCK_SIZE)),
                        props.get("infmoe.quantize_other", "none"),
                        target=props.get("infmoe.target", DEFAULT_TARGET),
-                       activations=props.get("infmoe.activations", "float"))
+                       activations=props.get("infmoe.activations", "float"),
+                       kv_cache=props.get("infmoe.kv_cache", "float32"))
         except (KeyError, ValueError) as error:
             raise InfMoEError(f"not an infmoe-export model: metadata {error} is missing or invalid") from None
 
@@ -324,6 +353,7 @@ class ExportChoice:
     quantize_other: str = "none"
     block_size: int = DEFAULT_BLOCK_SIZE
     activations: str = "float"
+    kv_cache: str = "float32"
     note: Optional[str] = field(default=None, compare=False)
 
     @property
@@ -332,11 +362,11 @@ class ExportChoice:
 
     @property
     def label(self) -> str:
-        return f"{self.target} {self.precision}"
+        return export_label(self.target, self.precision, self.kv_cache)
 
     def options(self) -> dict:
         return {"target": self.target, "dtype": self.dtype, "quantize_other": self.quantize_other,
-                "block_size": self.block_size, "activations": self.activations}
+                "block_size": self.block_size, "activations": self.activations, "kv_cache": self.kv_cache}
 
 
 # An exported folder (`infmoe-export onnx --out DIR`) keeps the metadata in config.json too,

@@ -7,7 +7,8 @@ from typing import List, Optional, Sequence
 
 import click
 
-from .contract import ACTIVATION_KINDS, DEFAULT_DEPLOYMENT, DEPLOYMENTS, QUANTIZE_OTHER, TARGETS, ExportChoice
+from .contract import (ACTIVATION_KINDS, DEFAULT_DEPLOYMENT, DEPLOYMENTS, KV_CACHES, QUANTIZE_OTHER, TARGETS,
+                       ExportChoice)
 from .errors import InfMoEError
 from .limits import check_fits, forward_bytes
 from .quant import BITS, DEFAULT_BLOCK_SIZE, PRECISIONS, check_block_size
@@ -98,7 +99,8 @@ FASTER_ACTIVATIONS = {"int4": "int8", "int8": "float"}
 
 def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Optional[str] = None,
                    quantize_other: Optional[str] = None, target: Optional[str] = None,
-                   block_size: Optional[int] = None, activations: Optional[str] = None) -> List[ExportChoice]:
+                   block_size: Optional[int] = None, activations: Optional[str] = None,
+                   kv_cache: Optional[str] = None) -> List[ExportChoice]:
     """The flags as one ExportChoice per precision in dtypes (default fp32), checked before any
     export; None is a flag not given. A conflict is a one-line error naming both flags.
 
@@ -113,7 +115,8 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
     - The onnxruntime target's int4 models run their quantized ops on int8 activations (integer
       dot products, judged at level 2: the faster path, as onnxruntime-genai's int4 CPU models
       do); int8 models keep float ones (FASTER_ACTIVATIONS). --activations chooses either for
-      both. Other models are float."""
+      both. Other models are float.
+    - The KV cache is float32, or float16 (--kv-cache) on the onnxruntime target only."""
     dtypes = list(dtypes or ["fp32"])
     quantized = [d for d in dtypes if d in BITS]
     if deploy is not None and target is not None and target != deploy:
@@ -130,6 +133,8 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             raise InfMoEError(f"--block-size: {error}") from None
     if activations is not None and activations not in ACTIVATION_KINDS:
         raise InfMoEError(f"--activations must be one of {', '.join(ACTIVATION_KINDS)}, got {activations!r}")
+    if kv_cache is not None and kv_cache not in KV_CACHES:
+        raise InfMoEError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     chosen, note = target or deploy or DEFAULT_DEPLOYMENT, None
     if activations == "int8" and not quantized:
         raise InfMoEError("--activations int8 applies to int8 / int4 weights, and --dtype has none")
@@ -148,9 +153,11 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             if custom_op_library() is None:
                 note = ("the onnxruntime kernel library is not installed here: the model's infmoe ops run as "
                         "their fallback functions, slower (docs/guide/onnxruntime.md)")
+    why = f"--target {target}" if target else f"--for {deploy}" if deploy else note
     if activations == "int8" and chosen != "onnxruntime":
-        why = f"--target {target}" if target else f"--for {deploy}" if deploy else note
         raise InfMoEError(f"--activations int8 runs in our kernels on the onnxruntime target, not {why}")
+    if kv_cache == "float16" and chosen != "onnxruntime":
+        raise InfMoEError(f"--kv-cache float16 applies to the onnxruntime target's attention, not {why}")
     if deploy == "tensorrt":
         from .runtimes.tensorrt import tensorrt_problem
 
@@ -171,7 +178,7 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
         return activations or FASTER_ACTIVATIONS[dtype]
 
     return [ExportChoice(chosen, dtype, other(dtype), block_size if dtype in BITS else DEFAULT_BLOCK_SIZE,
-                         kind(dtype), note) for dtype in dtypes]
+                         kind(dtype), kv_cache or "float32", note) for dtype in dtypes]
 
 
 DEPLOYMENT_HELP = {"onnxruntime": "onnxruntime (the default: its fused graph, int8 / int4 read by our kernels)",
@@ -187,6 +194,11 @@ ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices m
                     "judged by the accuracy budget; the default for int4) or float (SPEC §6's exact float32 path; "
                     "the default for int8, whose prefill it keeps faster). A session's infmoe.activations option "
                     "overrides it.")
+
+
+KV_CACHE_HELP = ("Finer: the onnxruntime target's KV cache (past_key_values.*, present.*): float32 (the default) or "
+                 "float16 (half the bytes a decode step reads of it; keys and values rounded, judged by the accuracy "
+                 "budget).")
 
 
 def _weight_bytes(bits: int) -> str:
@@ -206,8 +218,9 @@ CHOICES_TABLE = "\n".join([
     "portable     any         standard ops and the expert op; int8 / int4: DequantizeLinear too",
     "",
     "The router, LayerNorms and biases stay float32 in every precision; --quantize-other none makes",
-    "int8 / int4 the experts only. Decode is bound by the bytes read; measured speed per choice:",
-    "python -m benchmarks.quant_model, its results in benchmarks/results/quant_model.json.",
+    "int8 / int4 the experts only; --kv-cache float16 (onnxruntime) halves the KV cache's bytes. Decode",
+    "is bound by the bytes read; measured speed per choice: python -m benchmarks.quant_model, its",
+    "results in benchmarks/results/quant_model.json.",
 ])
 
 
@@ -215,7 +228,7 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
                           dtype_names: Sequence[str] = ("--dtype",)):
     """The flags of export_choices on a command: --for (among deployments), --dtype (a
     comma-separated list where many; dtype_names: its spellings), --quantize-other, --block-size, --activations,
-    and --target where asked.
+    --kv-cache, and --target where asked.
     Every default is None (a flag not given): export_choices applies the defaults. The choices'
     table is in the help of the command with --target (onnx)."""
     def decorate(command):
@@ -236,6 +249,7 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
                               f"default {DEFAULT_BLOCK_SIZE})."),
             click.option("--activations", type=click.Choice(ACTIVATION_KINDS), default=None,
                          help=ACTIVATIONS_HELP),
+            click.option("--kv-cache", type=click.Choice(KV_CACHES), default=None, help=KV_CACHE_HELP),
         ]
         if target:
             options.append(click.option("--target", type=click.Choice(TARGETS), default=None,
@@ -248,8 +262,8 @@ def export_choice_options(*, many: bool = False, deployments: Sequence[str] = DE
 
 
 def choices_from_flags(config, deploy, dtype, quantize_other, block_size, target=None,
-                       activations=None) -> List[ExportChoice]:
+                       activations=None, kv_cache=None) -> List[ExportChoice]:
     """export_choices of a command's export_choice_options values (dtype a list where many)."""
     dtypes = None if dtype is None else precision_list(dtype)
     return export_choices(config, dtypes, deploy=deploy, quantize_other=quantize_other, target=target,
-                          block_size=block_size, activations=activations)
+                          block_size=block_size, activations=activations, kv_cache=kv_cache)

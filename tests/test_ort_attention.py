@@ -1,7 +1,7 @@
 """`infmoe::DecoderAttention` (the onnxruntime target's attention, docs/reference/ops/DecoderAttention.md)
 against a float64 reference of its definition: the compiled kernel (decode and prefill paths, a
-shared past/present buffer and separate ones), and the fallback function (onnxruntime's
-GroupQueryAttention) that runs without it.
+shared past/present buffer and separate ones, a float32 and a float16 cache), and the fallback
+function (onnxruntime's GroupQueryAttention) that runs without it.
 
 Data is fresh every run (the seed comes from os.urandom and is printed in every failure;
 INFMOE_TEST_SEED=<n> replays a run).
@@ -49,6 +49,11 @@ def model(heads, past=True, attributes=None, qkv_bias=True):
     return with_attributes(attention_model(heads, past=past, qkv_bias=qkv_bias), attributes).SerializeToString()
 
 
+def half_feeds(feeds):
+    """The feeds with the past in float16."""
+    return {n: v.astype(np.float16) if n.startswith("past_") else v for n, v in feeds.items()}
+
+
 def assert_matches(outputs, expected, tolerance=1e-5):
     y, key, value = outputs
     assert y.shape == expected[0].shape and key.shape == expected[1].shape
@@ -86,19 +91,36 @@ def test_attention_matches_the_reference(library, batch, sequence, past, heads, 
     assert_matches(session(model(heads, past=past > 0, qkv_bias=qkv_bias)).run(None, feeds), reference(feeds, heads))
 
 
+@pytest.mark.parametrize("batch, sequence, past, heads, dim, shorter", CASES)
+def test_attention_float16_cache_matches_the_reference(library, batch, sequence, past, heads, dim, shorter):
+    """A float16 cache: its own kernel (chosen by the cache's type), the same computation in float32
+    over the cache's values; present in float16, the new keys and values rounded to nearest even.
+    The past is always given (of 0 positions in a first step): without it the cache's type is
+    unknown and the float32 kernel runs."""
+    rng = np.random.default_rng([SEED, 17, batch, sequence, past, dim])
+    feeds = half_feeds(make_feeds(rng, batch, sequence, past, heads, dim, shorter))
+    outputs = session(attention_model(heads, kv_cache="float16").SerializeToString()).run(None, feeds)
+    assert outputs[0].dtype == np.float32 and outputs[1].dtype == outputs[2].dtype == np.float16
+    assert_matches(outputs, reference(feeds, heads))
+
+
 @pytest.mark.parametrize("sequence", [1, 100])
 def test_attention_bias_broadcast_over_rows(library, sequence):
     feeds = make_feeds(np.random.default_rng([SEED, 9, sequence]), 3, sequence, 20, 2, 8, bias_rows=1)
     assert_matches(session(model(2)).run(None, feeds), reference(feeds, 2))
 
 
+@pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("sequence, threads", [(1, 1), (1, 2), (80, 2)])
-def test_attention_in_place_on_a_shared_buffer(library, sequence, threads):
+def test_attention_in_place_on_a_shared_buffer(library, sequence, threads, half):
     """past and present bound to one buffer of 100 positions (SharedCache's, genai's
-    past_present_share_buffer): the new keys and values are written into it, nothing else moves."""
+    past_present_share_buffer), float32 or float16: the new keys and values are written into it,
+    nothing else moves."""
     heads, dim, past = 3, 16, 100
     rng = np.random.default_rng([SEED, 11, sequence])
     feeds = make_feeds(rng, 2, sequence, past, heads, dim)
+    if half:
+        feeds = half_feeds(feeds)
     lengths = np.array([10, 17]) + sequence  # rows' caches: 10 and 17 positions, then the new tokens
     feeds["seqlens_k"] = (lengths - 1).astype(np.int32)
     feeds["total_sequence_length"] = np.array([lengths.max()], np.int32)
@@ -106,7 +128,7 @@ def test_attention_in_place_on_a_shared_buffer(library, sequence, threads):
     expected = reference(feeds, heads)
     buffers = [feeds.pop("past_key"), feeds.pop("past_value")]
     before = [b.copy() for b in buffers]
-    sess = session(model(heads), threads)
+    sess = session(attention_model(heads, kv_cache="float16").SerializeToString() if half else model(heads), threads)
     binding = sess.io_binding()
     binding.bind_output("y")  # get_outputs() lists y first
     for name, value in feeds.items():
@@ -124,13 +146,17 @@ def test_attention_in_place_on_a_shared_buffer(library, sequence, threads):
 
 
 @pytest.mark.parametrize("batch, sequence, past", [(1, 1, 130), (1, 70, 40), (2, 1, 0)])
-def test_attention_function_matches_the_reference(batch, sequence, past):
+@pytest.mark.parametrize("half", [False, True])
+def test_attention_function_matches_the_reference(batch, sequence, past, half):
     """Without the kernel onnxruntime runs the function: its own GroupQueryAttention (which takes
-    head_dim a multiple of 8 and, with a past, several new tokens for one row only)."""
+    head_dim a multiple of 8 and, with a past, several new tokens for one row only); over a float16
+    cache, with its casts (the past always given)."""
     feeds = make_feeds(np.random.default_rng([SEED, 13, sequence]), batch, sequence, past, 3, 16)
-    if past == 0:
+    if half:
+        feeds = half_feeds(feeds)
+    elif past == 0:
         feeds = {n: v for n, v in feeds.items() if not n.startswith("past")}
-    proto = attention_model(3, with_function=True, past=past > 0)
+    proto = attention_model(3, with_function=True, past=half or past > 0, kv_cache="float16" if half else "float32")
     fallback = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     assert_matches(fallback.run(None, feeds), reference(feeds, 3))
 
@@ -192,15 +218,18 @@ def test_attention_past_key_without_past_value_is_an_error(library):
 
 
 @pytest.mark.parametrize("name, dtype, elem, message", [
-    ("seqlens_k", np.int64, TensorProto.INT64, "seqlens_k must be int32, got int64"),
-    ("past_key", np.float64, TensorProto.DOUBLE, "past_key must be float32, got float64"),
-    ("attention_bias", np.int32, TensorProto.INT32, "attention_bias must be float32, got int32"),
-    ("qkv_bias", np.float64, TensorProto.DOUBLE, "qkv_bias must be float32, got float64"),
+    ("seqlens_k", np.int64, TensorProto.INT64, "DecoderAttention: seqlens_k must be int32, got int64"),
+    ("attention_bias", np.int32, TensorProto.INT32, "DecoderAttention: attention_bias must be float32, got int32"),
+    ("qkv_bias", np.float64, TensorProto.DOUBLE, "DecoderAttention: qkv_bias must be float32, got float64"),
+    # the cache's type chooses the kernel: onnxruntime refuses a type that none takes, by name, and
+    # a float16 value beside a float32 key
+    ("past_key", np.float64, TensorProto.DOUBLE, r"tensor\(double\)' of input parameter \(past_key\)"),
+    ("past_value", np.float16, TensorProto.FLOAT16, "no kernel def matches node inputs for Op: DecoderAttention"),
 ])
 def test_attention_wrong_element_types_are_errors(library, name, dtype, elem, message):
     feeds = _feeds()
     feeds[name] = np.ones(feeds[name].shape, dtype)  # the type is refused before any value is read
     proto = attention_model(2)
     next(v for v in proto.graph.input if v.name == name).type.tensor_type.elem_type = elem
-    with pytest.raises(Exception, match="DecoderAttention: " + message):
+    with pytest.raises(Exception, match=message):
         session(proto.SerializeToString()).run(None, feeds)

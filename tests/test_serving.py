@@ -427,7 +427,7 @@ def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
     written = read_repository(tmp_path / "repo")
     assert written["routes"] == {"1/int8": {
         "onnx": "infmoe_k1_int8/1/model.onnx", "triton": "infmoe_k1_int8", "past_shape": "[4, 0, 32]",
-        "shared_cache": True, "activations": "float", "exported": "onnxruntime all-int8"}}
+        "shared_cache": True, "activations": "float", "kv_cache": "float32", "exported": "onnxruntime all-int8"}}
     assert written["batching"] == {"max_batch_size": cfg.MAX_BATCH, "preferred_batch_sizes": [1, 2, 4],
                                    "measured": None}
     assert list(_parse(tmp_path / "repo" / "infmoe" / "config.pbtxt").sequence_batching.oldest.preferred_batch_size) \

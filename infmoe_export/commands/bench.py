@@ -49,18 +49,20 @@ from ..runtimes import registry
               help="Intra-op threads of torch and onnxruntime (default: their own defaults).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write the results (report schema) here.")
 def bench_command(checkpoint, model_paths, engines, backend_list, ks, noise, deploy, dtype, quantize_other,
-                  block_size, activations,
+                  block_size, activations, kv_cache,
                   batch_list, seq_list, past, warmup, iters, budget_s, rel_ci, memory, threads, json_path):
     """Latency, throughput and memory per backend, precision and K: of the given models, or of the
     checkpoint exported as --for and --dtype say (default: onnxruntime, fp32; the model `run` runs)."""
     backends = registry.parse_backends(backend_list)
     batches, seqs = positive_ints(batch_list, "--batch"), positive_ints(seq_list, "--seq")
     ks = expert_budgets(ks, read_config(checkpoint or DEFAULT_CHECKPOINT))
-    if model_paths and any(value is not None for value in (deploy, dtype, quantize_other, block_size, activations)):
-        raise InfMoEError("--for, --dtype, --quantize-other, --block-size and --activations choose what to export; "
-                          "they cannot be combined with --model")
+    if model_paths and any(value is not None for value in (deploy, dtype, quantize_other, block_size, activations,
+                                                           kv_cache)):
+        raise InfMoEError("--for, --dtype, --quantize-other, --block-size, --activations and --kv-cache choose what to "
+                          "export; they cannot be combined with --model")
     choices = [] if model_paths else choices_from_flags(read_config(checkpoint or DEFAULT_CHECKPOINT), deploy, dtype,
-                                                        quantize_other, block_size, activations=activations)
+                                                        quantize_other, block_size, activations=activations,
+                                                        kv_cache=kv_cache)
     inputs = [checkpoint or DEFAULT_CHECKPOINT, *model_paths, engines]
     if json_path:
         output_file(json_path, inputs=inputs)

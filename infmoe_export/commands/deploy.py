@@ -62,7 +62,7 @@ FASTEST_FIRST = ("int4", "int8", "fp32")  # without --dtype: the first whose cer
               help="Seconds of interleaved timing per latency figure at most.")
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
-def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_size, activations, max_windows,
+def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_size, activations, kv_cache, max_windows,
                    max_ppl_increase,
                    min_top1, budget_s, threads):
     """From a checkpoint to a folder to ship: the fastest artifact per K, the kernel library, a
@@ -71,7 +71,7 @@ def deploy_command(checkpoint, out, ks, deploy, dtype, quantize_other, block_siz
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     torch_model = load_checkpoint(checkpoint)
     candidates = choices_from_flags(torch_model.config, deploy, dtype or ",".join(FASTEST_FIRST), quantize_other,
-                                    block_size, activations=activations)
+                                    block_size, activations=activations, kv_cache=kv_cache)
     candidates.sort(key=lambda c: FASTEST_FIRST.index(c.dtype) if c.dtype in FASTEST_FIRST else 0)
     check_forward_memory(torch_model.config, 1, torch_model.config.n_positions, max(ks))
     if threads:
@@ -201,6 +201,8 @@ def export_flags(options: dict) -> str:
     if quantized and options["target"] == "onnxruntime" and \
             options.get("activations", "float") != FASTER_ACTIVATIONS[options["dtype"]]:
         flags.append(f"--activations {options.get('activations', 'float')}")
+    if options.get("kv_cache", "float32") != "float32":
+        flags.append(f"--kv-cache {options['kv_cache']}")
     return " ".join(flags)
 
 
@@ -216,6 +218,7 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
         register = (f'so.add_session_config_entry("{ort_kernel.ACTIVATIONS}", "int8")  # as deployed: integer dot products\n'
                     + register)
     s = certificate["settings"]
+    half_cache = certificate["export_options"].get("kv_cache") == "float16"
     lines = [
         f"# ∞-MoE deployment: {certificate['export']}, K = {', '.join(map(str, ks))}", "",
         f"Written by infmoe-export {certificate['tool_version']} on {certificate['created']} from "
@@ -231,7 +234,11 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
            "against the float model (level 2) and `ort`, the same kernels on float activations, against PyTorch "
            "(level 1). A client that registers the library without the session entry below runs them on float "
            "activations: the same logits within level 1, slower.", ""]
-          if certificate["export_options"].get("activations") == "int8" else []),
+          if certificate["export_options"].get("activations") == "int8" and not half_cache else []),
+        *(["The KV cache is float16 (`--kv-cache float16`): its keys and values are rounded, the reference's are "
+           "not, so every backend is judged against the float model alone (level 2); the figures against PyTorch "
+           "are shown as measured.", ""]
+          if half_cache else []),
         f"On {s['tokens']} tokens of {s['text']}, the `{certificate['backend']}` backend against PyTorch on the same "
         f"weights (level 1: atol {s['atol']:g} / rtol {s['rtol']:g} on clean tokens, at least "
         f"{pct(s['min_start_agreement'])} of window starts agreeing) and against the float model (level 2: "

@@ -46,7 +46,7 @@ DECODE_PAST, PREFILL, BUDGET_S = 128, 128, 1.5
                    "prefill in onnxruntime, and draw the trade-off chart (perplexity against both) as a PNG here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per K and baseline.")
 def eval_command(checkpoint, texts, ks, noise, seed, batch_size, baselines, no_baselines, deploy, dtype,
-                 quantize_other, block_size, activations, chart, as_json):
+                 quantize_other, block_size, activations, kv_cache, chart, as_json):
     """Perplexity of a checkpoint per expert budget K, and of the baselines, with the weights the
     chosen precision stores (--dtype; default fp32); --chart adds their latency and the trade-off
     chart."""
@@ -55,7 +55,8 @@ def eval_command(checkpoint, texts, ks, noise, seed, batch_size, baselines, no_b
         output_file(chart, inputs=[checkpoint or DEFAULT_CHECKPOINT, *texts, *baselines])
     data = read_texts(texts) if texts else corpus_bytes("validation")
     model = load_checkpoint(checkpoint)
-    choice, = choices_from_flags(model.config, deploy, dtype, quantize_other, block_size, activations=activations)
+    choice, = choices_from_flags(model.config, deploy, dtype, quantize_other, block_size, activations=activations,
+                                 kv_cache=kv_cache)
     runs = [(None, model, expert_budgets(ks, model.config))]
     paths = {}  # baseline name -> checkpoint
     for path in baseline_paths(baselines, bundled=not no_baselines):

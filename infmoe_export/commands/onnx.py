@@ -42,10 +42,11 @@ runtime:
 @click.option("--no-function", is_flag=True, help="Leave out the fallback function (TensorRT plugin models).")
 @click.option("--with-starts", is_flag=True, help="Add outputs expert_starts.{i} [batch, sequence, K].")
 @click.option("--atol", type=float, default=None,
-              help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16).")
+              help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16 "
+                   "or a float16 KV cache).")
 @click.option("--no-validate", is_flag=True, help="Skip the onnxruntime-vs-PyTorch check.")
 def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quantize_other, block_size, activations,
-                 target,
+                 kv_cache, target,
                  no_function, with_starts, atol, no_validate):
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
@@ -53,7 +54,10 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quant
     config = read_config(source)  # its model_type picks the export (export_onnx), checked before any work:
     DecoderIO(config, config.default_k if k is None else k, noise, dtype=dtype or "fp32", target=target or deploy or
               DEFAULT_DEPLOYMENT)
-    choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target, activations=activations)
+    choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target, activations=activations,
+                                 kv_cache=kv_cache)
+    if no_past and choice.kv_cache == "float16":
+        raise InfMoEError("--kv-cache float16 applies to the KV cache, and --no-past exports none")
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:

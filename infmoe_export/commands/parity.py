@@ -44,19 +44,20 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX
 @click.option("--max-windows", type=WINDOWS, default=DEFAULT_MAX_WINDOWS, show_default=True,
               help="Windows of n_positions tokens to run (kept small: every backend runs every window).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the sampled noise.")
-def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block_size, activations, engines, texts,
-                   out, ks,
+def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block_size, activations, kv_cache, engines,
+                   texts, out, ks,
                    backend_list, atol, rtol, min_start_agreement, max_ppl_increase, min_top1, max_windows, seed):
     """Parity of every backend against the PyTorch reference (SPEC §5; two levels for quantized models, §6):
     of the given models, or of the checkpoint exported as --for and --dtype say (default: onnxruntime,
     fp32; the model `run` runs)."""
     backends = registry.parse_backends(backend_list, allow_torch=False)
-    if model_paths and any(value is not None for value in (deploy, dtype, quantize_other, block_size, activations)):
-        raise InfMoEError("--for, --dtype, --quantize-other, --block-size and --activations choose what to export; "
-                          "they cannot be combined with --model")
+    if model_paths and any(value is not None for value in (deploy, dtype, quantize_other, block_size, activations,
+                                                           kv_cache)):
+        raise InfMoEError("--for, --dtype, --quantize-other, --block-size, --activations and --kv-cache choose what to "
+                          "export; they cannot be combined with --model")
     source = checkpoint or DEFAULT_CHECKPOINT
     choices = [] if model_paths else choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size,
-                                                        activations=activations)
+                                                        activations=activations, kv_cache=kv_cache)
     out = output_dir(out, inputs=[source, *model_paths, *texts, engines])
     torch_model = load_checkpoint(checkpoint)
     k_list = positive_ints(ks, "--k") if ks else None

@@ -181,7 +181,7 @@ class Stages:
 @click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads of torch and onnxruntime for latency (default: their own defaults).")
 def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quantize_other, block_size, activations,
-                     max_windows,
+                     kv_cache, max_windows,
                      baselines, no_baselines, quality_budget, max_ppl_increase, min_top1, iters, warmup, budget_s,
                      threads):
     """The main job: export, validate, parity, latency (and with --full: TensorRT, baselines,
@@ -198,7 +198,7 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
     baselines = baseline_paths(baselines, bundled=matrix.full and not no_baselines)
     torch_model = load_checkpoint(checkpoint)
     choices = choices_from_flags(torch_model.config, deploy, dtype or matrix.dtypes, quantize_other, block_size,
-                                 activations=activations)
+                                 activations=activations, kv_cache=kv_cache)
     check_forward_memory(torch_model.config, max(matrix.batches), torch_model.config.n_positions, max(ks))
     if threads:
         torch.set_num_threads(threads)

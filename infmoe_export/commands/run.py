@@ -92,24 +92,24 @@ def engine_runner(engines: Path, k: Optional[int]):
               help="Run a TensorRT engine from this folder (`infmoe-export trt`) instead; --k picks the engine.")
 @click.option("--timings", is_flag=True,
               help="Print the prefill's time and the decode steps' median ms/token (95% interval) to stderr.")
-def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_size, activations, prompt,
+def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_size, activations, kv_cache, prompt,
                 max_new_tokens, greedy,
                 temperature, top_k, seed, no_kernel, engines, timings):
     """Generate text from an ONNX model in onnxruntime (or a TensorRT engine), streaming it as it comes.
     Without --model, the checkpoint exported as --for and --dtype say (default: onnxruntime, fp32),
     once, into a cache."""
-    chosen = any(value is not None for value in (deploy, dtype, quantize_other, block_size, activations))
+    chosen = any(value is not None for value in (deploy, dtype, quantize_other, block_size, activations, kv_cache))
     if greedy and (temperature is not None or top_k is not None):
         raise InfMoEError("--greedy cannot be combined with --temperature or --top-k")
     if k is not None and k < 1:
         raise InfMoEError(f"--k must be a positive integer, got {k}")
     if model_path is not None and (checkpoint is not None or k is not None or chosen):
-        raise InfMoEError("--checkpoint, --k, --for, --dtype, --quantize-other, --block-size and --activations choose "
-                          "what to export; they cannot be combined with --model")
+        raise InfMoEError("--checkpoint, --k, --for, --dtype, --quantize-other, --block-size, --activations and "
+                          "--kv-cache choose what to export; they cannot be combined with --model")
     if engines is not None and (model_path is not None or checkpoint is not None or no_kernel or chosen):
         raise InfMoEError("--engines runs a TensorRT engine; it cannot be combined with --model, --checkpoint, "
                           "--no-kernel or the export choice (--for, --dtype, --quantize-other, --block-size, "
-                          "--activations)")
+                          "--activations, --kv-cache)")
     sampling = temperature is not None or top_k is not None
     temperature = 1.0 if temperature is None else temperature
     # The prompt's own bytes: a byte-level model takes any, UTF-8 or not (click hands over
@@ -121,7 +121,8 @@ def run_command(model_path, checkpoint, k, deploy, dtype, quantize_other, block_
         model = ExportedModel.read(model_path)
     else:
         config = read_config(checkpoint if checkpoint is not None else DEFAULT_CHECKPOINT)
-        choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, activations=activations)
+        choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, activations=activations,
+                                     kv_cache=kv_cache)
         model = cached_export(checkpoint, k, choice)
     if engines is None:
         runner = OrtRunner(model.io, model, kernel=not no_kernel)

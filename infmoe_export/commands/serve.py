@@ -28,21 +28,22 @@ PORT = click.IntRange(0, 65535)
 @click.option("--grpc-port", type=PORT, default=8001, show_default=True, help="gRPC port (0: a free one).")
 @click.option("--metrics-port", type=PORT, default=8002, show_default=True, help="Prometheus metrics port (0: free).")
 @click.option("--timeout", type=float, default=180.0, show_default=True, help="Seconds to wait for readiness.")
-def serve_command(repo, ks, deploy, dtype, quantize_other, block_size, activations, host, port, grpc_port,
+def serve_command(repo, ks, deploy, dtype, quantize_other, block_size, activations, kv_cache, host, port, grpc_port,
                   metrics_port, timeout):
     """Serve a model repository on Triton (nvidia-pytriton's tritonserver) until SIGTERM or Ctrl-C.
     Without --repo, the bundled model exported as --for and --dtype say (default: onnxruntime,
     fp32; the model `run` runs) into a temporary repository."""
     if repo is not None and any(value is not None for value in
-            (deploy, dtype, quantize_other, block_size, activations)):
-        raise InfMoEError("--for, --dtype, --quantize-other, --block-size and --activations choose what to export; "
-                          "they cannot be combined with --repo (its models are exported already)")
+            (deploy, dtype, quantize_other, block_size, activations, kv_cache)):
+        raise InfMoEError("--for, --dtype, --quantize-other, --block-size, --activations and --kv-cache choose what to "
+                          "export; they cannot be combined with --repo (its models are exported already)")
     temporary = None
     try:
         if repo is None:
             k_list = positive_ints(ks, "--k")
             model = load_checkpoint(None)
-            choices = choices_from_flags(model.config, deploy, dtype, quantize_other, block_size, activations=activations)
+            choices = choices_from_flags(model.config, deploy, dtype, quantize_other, block_size,
+                                         activations=activations, kv_cache=kv_cache)
             temporary = Path(tempfile.mkdtemp(prefix="infmoe-serve."))
             repo = temporary / "repository"
             build_repository(model, repo, k_list, choices, progress=lambda t: click.echo(t, err=True))

@@ -28,7 +28,7 @@ from ..serving.repository import EXECUTORS, build_repository
               help="The front model's preferred batch sizes: 'measure' (from the batched-decode curve of the first "
                    "--dtype's models, measured now: every size whose tokens/s holds up against the smaller ones) "
                    "or comma-separated sizes up to the max batch size, 16.")
-def triton_repo_command(out, checkpoint, ks, deploy, dtype, quantize_other, block_size, activations, engines,
+def triton_repo_command(out, checkpoint, ks, deploy, dtype, quantize_other, block_size, activations, kv_cache, engines,
                         mount_path, executor,
                         no_kernel, preferred):
     """Write a Triton model repository: per-K onnxruntime (and TensorRT) models, exported as --for and
@@ -41,7 +41,7 @@ def triton_repo_command(out, checkpoint, ks, deploy, dtype, quantize_other, bloc
         raise InfMoEError("--mount-path must be an absolute path without quotes or newlines")
     source = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     choices = choices_from_flags(read_config(source), deploy, dtype, quantize_other, block_size,
-                                 activations=activations)
+                                 activations=activations, kv_cache=kv_cache)
     model = load_checkpoint(checkpoint)
     inputs = [source] + ([Path(engines)] if engines is not None else [])
     for note in dict.fromkeys(c.note for c in choices if c.note):

@@ -367,21 +367,23 @@ def save_model(model: ir.Model, path: Path):
 def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[int] = None,
                 noise: str = "quantile", past: bool = True, opset: Optional[int] = None, dtype: str = "fp32",
                 block_size: int = DEFAULT_BLOCK_SIZE, quantize_other: str = "none", function: bool = True,
-                with_starts: bool = False, target: str = DEFAULT_TARGET, activations: str = "float") -> ExportedModel:
+                with_starts: bool = False, target: str = DEFAULT_TARGET, activations: str = "float",
+                kv_cache: str = "float32") -> ExportedModel:
     """Export model for expert budget k (default: its num_samples) to path; target: the graph's
     runtime (contract.TARGETS: standard ops, or onnxruntime's fused attention, ort_target.py).
     dtype is the experts' precision (contract.DTYPES; int8/int4 with block_size, SPEC §6),
     quantize_other that of attention and the tied embedding / LM head (docs/guide/quantization.md);
     activations the quantized ops' kind a session runs by default (contract.ACTIVATION_KINDS,
-    written as metadata; a session's option overrides it); opset defaults to DEFAULT_OPSET, or 21
-    where DequantizeLinear needs it.
+    written as metadata; a session's option overrides it); kv_cache the element type of the KV
+    cache's inputs and outputs (contract.KV_CACHES: float16 on the onnxruntime target with past
+    only); opset defaults to DEFAULT_OPSET, or 21 where DequantizeLinear needs it.
 
     Either architecture, by its config's model_type: a conventional MoE (MoEGPT) gets onnxruntime's
     MoE / QMoE experts (moe.py); its K is top_k and its noise none (DecoderIO refuses others), at
     fp32, int8 or int4, for the portable or onnxruntime target."""
     decoder_io = DecoderIO(model.config, model.config.default_k if k is None else k, noise, past, with_starts, dtype,
                            block_size=block_size, quantize_other=quantize_other, target=target,
-                           activations=activations)
+                           activations=activations, kv_cache=kv_cache)
     opset = check_opset(resolve_opset(opset, decoder_io, DEFAULT_OPSET))
     path = output_file(path)
 
@@ -420,7 +422,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     op_types = custom_op_types(onnx_model.graph) | moe_op_types(onnx_model.graph)
     has_function = function and bool(op_types)
     if has_function:
-        for fn in ir_functions(opset, op_types):
+        for fn in ir_functions(opset, op_types, kv_cache):
             onnx_model.functions[fn.identifier()] = fn
     metadata = decoder_io.metadata(opset, has_function)
     onnx_model.metadata_props.update(metadata)
@@ -430,11 +432,13 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     return ExportedModel(path, decoder_io, metadata)
 
 
-def model_filename(k: int, noise: str, dtype: str = "fp32", quantize_other: str = "none") -> str:
+def model_filename(k: int, noise: str, dtype: str = "fp32", quantize_other: str = "none",
+                   kv_cache: str = "float32") -> str:
     """model_k{K}_{noise}_{dtype}.onnx, with _other-{quantize_other} when other matrices are
-    quantized: precisions exported into one folder do not collide."""
+    quantized and _kv16 for a float16 KV cache: precisions exported into one folder do not collide."""
     other = "" if quantize_other == "none" else f"_other-{quantize_other}"
-    return f"model_k{k}_{noise}_{dtype}{other}.onnx"
+    kv = "_kv16" if kv_cache == "float16" else ""
+    return f"model_k{k}_{noise}_{dtype}{other}{kv}.onnx"
 
 
 def export_many(model: InfMoEGPT, folder: Union[str, os.PathLike], ks: Sequence[int],
@@ -443,7 +447,8 @@ def export_many(model: InfMoEGPT, folder: Union[str, os.PathLike], ks: Sequence[
     order; options go to export_onnx. progress(description) is called before each export. Every
     command that exports more than one model (pipeline, bench, trt) comes through here."""
     folder = Path(folder)
-    precision = dict(dtype=options.get("dtype", "fp32"), quantize_other=options.get("quantize_other", "none"))
+    precision = dict(dtype=options.get("dtype", "fp32"), quantize_other=options.get("quantize_other", "none"),
+                     kv_cache=options.get("kv_cache", "float32"))
     exported = []
     for noise in noises:
         for k in ks:

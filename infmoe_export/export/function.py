@@ -22,8 +22,9 @@ different widths, which cannot be stacked: onnxruntime fails there, as for unbro
 has onnxruntime's own MatMulNBits as its body: same inputs, attributes and storage, so an
 onnxruntime without our kernel runs exactly the node it would have run without the op.
 `infmoe::DecoderAttention` (the onnxruntime target's attention, docs/reference/ops/DecoderAttention.md) has
-GroupQueryAttention as its body in the same way, and `infmoe::WindowStarts` (its router and window
-starts in one node) the ten standard ops the target wrote before.
+GroupQueryAttention as its body in the same way (a float16 KV cache's model: with the cache cast
+to float32 around it), and `infmoe::WindowStarts` (its router and window starts in one node) the
+ten standard ops the target wrote before.
 
 `com.microsoft::MoE` and `QMoE` (onnxruntime's own expert ops, a conventional MoE's experts:
 export/moe.py) get a function of the same domain and name: onnxruntime runs its kernel, which
@@ -178,6 +179,27 @@ def DecoderAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length
 
 
 @script(infmoe, default_opset=op)
+def DecoderAttentionFloat16Cache(qkv, past_key, past_value, seqlens_k, total_sequence_length, attention_bias, qkv_bias,
+                                 num_heads: int):
+    # The body of DecoderAttention in a model with a float16 KV cache (written under that name,
+    # function_protos). GroupQueryAttention takes one type for all of them, so the cache is read
+    # as float32 and the presents are written back in the past's type; the new keys and values
+    # are rounded to float16 first, as the kernel writes them before its queries read them. A
+    # float32 cache keeps the body above: there onnxruntime drops the first Cast but keeps the
+    # second (it makes a graph output), so a past and present bound to one buffer would be a copy
+    # of the whole cache.
+    biased = op.Add(qkv, qkv_bias)
+    third = op.Div(op.Shape(biased, start=2), op.Constant(value_ints=[3]))
+    query, key_value = op.Split(biased, op.Concat(third, op.Mul(third, op.Constant(value_ints=[2])), axis=0), axis=2)
+    rounded = op.Cast(op.Cast(key_value, to=TensorProto.FLOAT16), to=TensorProto.FLOAT)
+    y, present_key, present_value = contrib.GroupQueryAttention(
+        op.Concat(query, rounded, axis=2), None, None, op.Cast(past_key, to=TensorProto.FLOAT),
+        op.Cast(past_value, to=TensorProto.FLOAT), seqlens_k, total_sequence_length, None, None, None,
+        attention_bias, num_heads=num_heads, kv_num_heads=num_heads)
+    return y, op.CastLike(present_key, past_key), op.CastLike(present_value, past_value)
+
+
+@script(infmoe, default_opset=op)
 def WindowStarts(X, weight, bias, eps, ffn_hidden: int, slice_width: int):
     # SPEC §3: z = mu + softplus(s) eps with [mu, s] = X weight + bias, starts = floor(sigmoid(z)
     # (H - r + 1)) clamped at H - r; the floor left to Cast (truncation of a value >= 0).
@@ -298,25 +320,36 @@ FUNCTIONS = {OP_TYPE: (ContinuousSliceFFN,), Q_OP_TYPE: (ContinuousSliceFFN, QCo
 MOE_FUNCTIONS = {"MoE": (MoE,), "QMoE": (MoE, DequantizeRows, QMoE)}
 
 
-def ir_functions(opset: int, op_types=(OP_TYPE,)) -> list:
+def function_protos(op_type: str, kv_cache: str = "float32") -> list:
+    """The FunctionProtos a node of op_type needs (FUNCTIONS, MOE_FUNCTIONS); the attention's over
+    a float16 KV cache (contract.KV_CACHES) is DecoderAttentionFloat16Cache, named DecoderAttention."""
+    if op_type == ATTENTION_OP_TYPE and kv_cache == "float16":
+        proto = DecoderAttentionFloat16Cache.to_function_proto()
+        proto.name = ATTENTION_OP_TYPE
+        return [proto]
+    return [f.to_function_proto() for f in {**FUNCTIONS, **MOE_FUNCTIONS}[op_type]]
+
+
+def ir_functions(opset: int, op_types=(OP_TYPE,), kv_cache: str = "float32") -> list:
     """The functions a model of this opset needs for its op_types (the infmoe ops, and
-    onnxruntime's MoE / QMoE; a quantized expert op calls the float one), as onnx_ir Functions (the checker wants a function's default opset
-    to match the model's; every op here means the same from 18 on, later opsets only add types)."""
+    onnxruntime's MoE / QMoE; a quantized expert op calls the float one) and KV cache type
+    (function_protos), as onnx_ir Functions (the checker wants a function's default opset to match
+    the model's; every op here means the same from 18 on, later opsets only add types)."""
     needed = {}
     for op_type in sorted(op_types):
-        needed.update({f.name: f for f in {**FUNCTIONS, **MOE_FUNCTIONS}[op_type]})
-    functions = [ir.serde.deserialize_function(f.to_function_proto()) for f in needed.values()]
+        needed.update({proto.name: proto for proto in function_protos(op_type, kv_cache)})
+    functions = [ir.serde.deserialize_function(proto) for proto in needed.values()]
     for function in functions:
         function.opset_imports[""] = opset
     return functions
 
 
-def _one_node_model(node, inputs, outputs, with_function: bool):
+def _one_node_model(node, inputs, outputs, with_function: bool, kv_cache: str = "float32"):
     """A model of one infmoe node (named after its op type); with_function attaches the op's
-    fallback functions (FUNCTIONS) and imports the other domains their bodies use (com.microsoft).
+    fallback functions (function_protos) and imports the other domains their bodies use (com.microsoft).
     IR 10 is read by every onnxruntime this project supports (>= 1.20)."""
     graph = helper.make_graph([node], node.op_type, inputs, outputs)
-    functions = [f.to_function_proto() for f in FUNCTIONS[node.op_type]] if with_function else []
+    functions = function_protos(node.op_type, kv_cache) if with_function else []
     opsets = {"": 18, DOMAIN: OP_VERSION}
     for function in functions:
         for imported in function.opset_import:
@@ -355,20 +388,25 @@ def qmatmul_model(k: int, n: int, bits: int, block_size: int, dtype: str = "floa
     return _one_node_model(node, inputs, [helper.make_tensor_value_info("Y", elem, None)], with_function)
 
 
-def attention_model(num_heads: int, with_function: bool = False, past: bool = True, qkv_bias: bool = True):
+def attention_model(num_heads: int, with_function: bool = False, past: bool = True, qkv_bias: bool = True,
+                    kv_cache: str = "float32"):
     """A one-node model of `infmoe::DecoderAttention` (every input of free shape; past, qkv_bias:
-    with those optional inputs): tests, fuzzing, benchmarks; with_function attaches its fallback
-    (an Add and GroupQueryAttention), which needs qkv_bias."""
+    with those optional inputs; kv_cache: past and present float32 or float16): tests, fuzzing,
+    benchmarks; with_function attaches its fallback (an Add and GroupQueryAttention, and the casts
+    of a float16 cache), which needs qkv_bias."""
     if with_function and not qkv_bias:
         raise ValueError("DecoderAttention's fallback function needs qkv_bias")
+    cache = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[kv_cache]
     names = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "attention_bias", "qkv_bias"]
-    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
+    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32, "past_key": cache,
+             "past_value": cache, "present_key": cache, "present_value": cache}
     used = [n for n in names if (past or not n.startswith("past")) and (qkv_bias or n != "qkv_bias")]
     inputs = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in used]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present_key", "present_value")]
+    outputs = [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None)
+               for n in ("y", "present_key", "present_value")]
     node = helper.make_node(ATTENTION_OP_TYPE, [n if n in used else "" for n in names], [o.name for o in outputs],
                             domain=DOMAIN, num_heads=num_heads)
-    return _one_node_model(node, inputs, outputs, with_function)
+    return _one_node_model(node, inputs, outputs, with_function, kv_cache)
 
 
 def step_inputs_model(with_function: bool = False):

@@ -175,7 +175,7 @@ def repair_model(path: Union[str, os.PathLike], out: Union[str, os.PathLike]) ->
     added = bool(_function_op_types(model.graph) and not found.has_function)
     if added:
         opset = model.opset_imports.get("", 18)
-        for function in ir_functions(opset, _function_op_types(model.graph)):
+        for function in ir_functions(opset, _function_op_types(model.graph), found.io.kv_cache):
             model.functions[function.identifier()] = function
         model.opset_imports.setdefault(DOMAIN, 1)
         done.append(f"added the fallback function (opset {opset})")

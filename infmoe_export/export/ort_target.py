@@ -32,7 +32,9 @@ attention_bias from attention_mask, and seqlens_k (= total - 1 for every row: th
 positions in the cache) and total_sequence_length are computed in the graph from
 attention_mask's length, as onnxruntime-genai's builder does, so a client feeds Optimum's
 inputs only: all three, and the position ids, by one infmoe::StepInputs node per step (its
-fallback function: the thirteen standard ops the target wrote before).
+fallback function: the thirteen standard ops the target wrote before). The cache is float32, or
+float16 with `--kv-cache float16` (DecoderIO.kv_cache): past and present are then float16, which
+the attention reads as float32, and everything else stays float32.
 """
 
 import numpy as np
@@ -127,11 +129,13 @@ class OrtDecoder(nn.Module):
             past = [named[name] for name in past_names[2 * i:2 * i + 2]] if io.past else [None, None]
             past_length = past[0].shape[2] if io.past else 0
             kv_shape = [batch, c.n_head, past_length + sequence, c.head_dim]
+            kv_dtype = past[0].dtype if io.past else qkv.dtype  # the presents are the past's type (io.kv_cache)
             y, key, value = torch.onnx.ops.symbolic_multi_out(
                 f"{DOMAIN}::{ATTENTION_OP_TYPE}",
                 (qkv, past[0], past[1], seqlens_k, total_length, attention_bias, attn.qkv.bias),
                 dict(num_heads=c.n_head),
-                dtypes=(qkv.dtype,) * 3, shapes=([batch, sequence, c.d_model], kv_shape, kv_shape), version=1)
+                dtypes=(qkv.dtype, kv_dtype, kv_dtype), shapes=([batch, sequence, c.d_model], kv_shape, kv_shape),
+                version=1)
             presents += [key, value]
             ln_2, h = _skip_layer_norm(F.linear(y, attn.proj.weight), x, block.ln_2, attn.proj.bias)
             out, starts = block.moe(ln_2, eps)
@@ -152,9 +156,14 @@ def decoder_attention(qkv, past_key, past_value, seqlens_k, total_sequence_lengt
     reference its kernel and fallback are tested against. qkv_bias (optional) is added to qkv first,
     in float32 as the Add it replaces. Row b's cache holds past_b = seqlens_k[b] + 1 - S positions
     of past (None: no past), then the S new keys and values, zeros after; query i sees keys j <=
-    past_b + i, scores q . k / sqrt(head_dim) + attention_bias. Returns y, present_key, present_value."""
+    past_b + i, scores q . k / sqrt(head_dim) + attention_bias. A float16 cache (past_key float16):
+    the new keys and values rounded to float16 (after the bias) as they are written, and seen so.
+    Returns y, present_key, present_value."""
     if qkv_bias is not None:
         qkv = np.asarray(qkv, np.float32) + np.asarray(qkv_bias, np.float32)
+    if past_key is not None and past_key.dtype == np.float16:
+        qkv = np.array(qkv, np.float32)
+        qkv[..., qkv.shape[-1] // 3:] = qkv[..., qkv.shape[-1] // 3:].astype(np.float16)
     qkv, bias = np.asarray(qkv, np.float64), np.asarray(attention_bias, np.float64)
     batch, sequence, width = qkv.shape
     dim = width // (3 * num_heads)

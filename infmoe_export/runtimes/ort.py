@@ -127,10 +127,10 @@ class OrtRunner(OnnxrtRunner):
 
 class SharedCache:
     """The KV cache of one generation, preallocated once: per layer a key and a value buffer of
-    [batch, n_head, n_positions, head_dim], bound as past_key_values.{i}.* and present.{i}.*
-    alike, so the session writes each step's keys and values into it and copies nothing. The
-    logits of each step land in a buffer bound once per shape. CPU sessions only (the buffers
-    live in host memory)."""
+    [batch, n_head, n_positions, head_dim] of the model's cache type (DecoderIO.cache_dtype),
+    bound as past_key_values.{i}.* and present.{i}.* alike, so the session writes each step's
+    keys and values into it and copies nothing. The logits of each step land in a buffer bound
+    once per shape. CPU sessions only (the buffers live in host memory)."""
 
     def __init__(self, session: ort.InferenceSession, decoder_io: DecoderIO, batch: int = 1):
         if not decoder_io.shares_cache:
@@ -140,7 +140,7 @@ class SharedCache:
         shape = (batch, c.n_head, c.n_positions, c.head_dim)
         # Zeroed, not left uninitialised: the positions past the current length are never read,
         # but a buffer that could hold NaN would make any mistake there silent.
-        self._arrays = [np.zeros(shape, np.float32) for _ in decoder_io.past_names]
+        self._arrays = [np.zeros(shape, decoder_io.cache_dtype) for _ in decoder_io.past_names]
         self._past = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._arrays]
         self._binding = session.io_binding()
         self._session = session

@@ -5,6 +5,8 @@ unknown field, a wrong type or a misspelt enum is an error, never silently ignor
 import json
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
+
 from ..contract import DecoderIO
 from ..errors import InfMoEError
 
@@ -16,6 +18,8 @@ IDLE_SECONDS = 60
 # Only where no preferred batch size fits the requests waiting (preferred sizes without 1)
 # does the batcher wait for more, this long at most.
 MAX_QUEUE_DELAY_US = 500
+# Triton's data types of the per-K models' inputs and outputs (DecoderIO.dtypes), by numpy name.
+TRITON_TYPES = {"int64": "TYPE_INT64", "float32": "TYPE_FP32", "float16": "TYPE_FP16"}
 
 
 def require_schema():
@@ -54,7 +58,7 @@ def _io_blocks(decoder_io: DecoderIO) -> str:
     """input/output blocks of a per-K model, batch dim included in dims (max_batch_size 0):
     the cache's batch and past dims are dynamic, which Triton's own batching cannot split."""
     shapes = decoder_io.shapes()
-    types = {name: ("TYPE_INT64" if t.__name__ == "int64" else "TYPE_FP32") for name, t in decoder_io.dtypes().items()}
+    types = {name: TRITON_TYPES[np.dtype(t).name] for name, t in decoder_io.dtypes().items()}
     inputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in decoder_io.input_names)
     outputs = ",\n".join(_tensor(n, types[n], shapes[n]) for n in decoder_io.output_names)
     return f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"

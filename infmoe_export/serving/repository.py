@@ -93,6 +93,7 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
                                                        "past_shape": json.dumps(past_shape),
                                                        "shared_cache": decoder_io.shares_cache,
                                                        "activations": decoder_io.activations,
+                                                       "kv_cache": decoder_io.kv_cache,
                                                        "exported": exported.io.label}
                 names.append(name)
                 if choice is choices[0]:

@@ -95,17 +95,18 @@ class Step:
 
 
 class Pool:
-    """The KV cache of one route: per past input, a buffer [rows, heads, positions, head_dim]
-    (np.zeros: its pages are touched only as they are used) and `valid` [rows, positions], 1
-    where a row holds a token of its sequence. Live sequences hold rows 0 .. len(sequences) - 1;
-    every row spans the same columns 0 .. length - 1, its own tokens masked in by `valid` (the
-    attention mask), so that one call over rows [first, first + n) adds the same columns to each.
+    """The KV cache of one route: per past input, a buffer [rows, heads, positions, head_dim] of
+    the model's cache type, cache_dtype (np.zeros: its pages are touched only as they are used),
+    and `valid` [rows, positions], 1 where a row holds a token of its sequence. Live sequences
+    hold rows 0 .. len(sequences) - 1; every row spans the same columns 0 .. length - 1, its own
+    tokens masked in by `valid` (the attention mask), so that one call over rows [first, first + n)
+    adds the same columns to each.
     `run(first, ids, mask)` is the executor's call; it writes the new keys and values in place.
     A decode step's rows go in calls of the preferred batch sizes (all of them in one call where
     every size is preferred)."""
 
-    def __init__(self, run, names, rows, heads, positions, head_dim, vocab, preferred=None):
-        self.arrays = [np.zeros((rows, heads, positions, head_dim), np.float32) for _ in names]
+    def __init__(self, run, names, rows, heads, positions, head_dim, vocab, preferred=None, cache_dtype=np.float32):
+        self.arrays = [np.zeros((rows, heads, positions, head_dim), cache_dtype) for _ in names]
         self.valid = np.zeros((rows, positions), np.int64)
         self.rows, self.positions, self.vocab = rows, positions, vocab
         self.preferred = sorted(set(preferred or range(1, rows + 1)))
@@ -425,7 +426,8 @@ class TritonPythonModel:
                 runner = CopyRunner(session_infer(local_session(os.path.join(repository, entry["onnx"]), threads,
                                                                 entry.get("activations", "float"))), past_names)
             heads, _, head_dim = json.loads(entry["past_shape"])
-            runner.pool = Pool(runner, past_names, rows, heads, self.n_positions, head_dim, vocab, preferred)
+            runner.pool = Pool(runner, past_names, rows, heads, self.n_positions, head_dim, vocab, preferred,
+                               np.dtype(entry.get("kv_cache", "float32")))  # repositories from before it: float32
             self.pools[route] = runner.pool
 
     # -- one execute: check every request, then step each route's -----------------------------

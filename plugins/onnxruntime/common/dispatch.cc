@@ -28,8 +28,9 @@
   template <typename T>                                                                                   \
   void RunQMatMul(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,       \
                   const ParallelFor&);                                                                    \
-  void RunAttention(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,      \
-                    const float*, const float*, float*, float*, float*, const ParallelFor&);              \
+  template <typename C>                                                                                   \
+  void RunAttention(const AttentionSizes&, const float*, const C*, const C*, const int32_t*, const float*, \
+                    const float*, float*, C*, C*, const ParallelFor&);                                    \
   INFMOE_DECLARE_RUN(float)                                                                               \
   INFMOE_DECLARE_RUN(uint16_t)                                                                            \
   }
@@ -56,8 +57,9 @@ template <typename T>
 using MatMulKernel = void (*)(const MatMulSizes&, const Quantization&, const T*, const QuantizedMatrix<T>&, T*,
                               const ParallelFor&);
 
-using AttentionKernel = void (*)(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,
-                                 const float*, const float*, float*, float*, float*, const ParallelFor&);
+template <typename C>
+using AttentionKernel = void (*)(const AttentionSizes&, const float*, const C*, const C*, const int32_t*,
+                                 const float*, const float*, float*, C*, C*, const ParallelFor&);
 
 struct Variant {
   const char* name;
@@ -67,12 +69,13 @@ struct Variant {
   QKernel<uint16_t> q16;
   MatMulKernel<float> mm32;
   MatMulKernel<uint16_t> mm16;
-  AttentionKernel attention;
+  AttentionKernel<float> attention32;
+  AttentionKernel<uint16_t> attention16;
 };
 
 #define INFMOE_VARIANT_ENTRY(name)                                                                        \
   {#name, name::Run<float>, name::Run<uint16_t>, name::RunQuantized<float>, name::RunQuantized<uint16_t>, \
-   name::RunQMatMul<float>, name::RunQMatMul<uint16_t>, name::RunAttention}
+   name::RunQMatMul<float>, name::RunQMatMul<uint16_t>, name::RunAttention<float>, name::RunAttention<uint16_t>}
 
 // Widest first. x86-64-v3 is AVX2 + FMA + F16C + BMI1/2 + LZCNT + MOVBE, x86-64-v4 adds
 // AVX-512 F/BW/CD/DQ/VL; the avx512 variant also uses AVX512-VNNI (a Skylake-X without it runs
@@ -184,11 +187,22 @@ template void QMatMul<float>(const MatMulSizes&, const Quantization&, const floa
 template void QMatMul<uint16_t>(const MatMulSizes&, const Quantization&, const uint16_t*,
                                 const QuantizedMatrix<uint16_t>&, uint16_t*, const ParallelFor&);
 
-void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const float* past_key, const float* past_value,
+template <typename C>
+void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const C* past_key, const C* past_value,
                       const int32_t* seqlens_k, const float* attention_bias, const float* qkv_bias, float* y,
-                      float* present_key, float* present_value, const ParallelFor& parallel_for) {
-  Chosen().attention(sizes, qkv, past_key, past_value, seqlens_k, attention_bias, qkv_bias, y, present_key,
-                     present_value, parallel_for);
+                      C* present_key, C* present_value, const ParallelFor& parallel_for) {
+  const auto attention = [&] {
+    if constexpr (std::is_same_v<C, float>) return Chosen().attention32;
+    else return Chosen().attention16;
+  }();
+  attention(sizes, qkv, past_key, past_value, seqlens_k, attention_bias, qkv_bias, y, present_key, present_value,
+            parallel_for);
 }
+
+template void DecoderAttention<float>(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,
+                                      const float*, const float*, float*, float*, float*, const ParallelFor&);
+template void DecoderAttention<uint16_t>(const AttentionSizes&, const float*, const uint16_t*, const uint16_t*,
+                                         const int32_t*, const float*, const float*, float*, uint16_t*, uint16_t*,
+                                         const ParallelFor&);
 
 }  // namespace infmoe

@@ -196,7 +196,7 @@ def matmul_problem(feeds, K, N, bits, block_size):
 
 def random_attention_case(rng):
     """(feeds, num_heads, problem) of DecoderAttention; feeds without past_* when there is none,
-    with qkv_bias half the time."""
+    the cache in float16 a third of the time there is one, with qkv_bias half the time."""
     batch, heads, dim = int(rng.integers(0, 4)), int(rng.integers(1, 7)), int(rng.integers(1, 41))
     sequence = int(rng.integers(0, 5)) if rng.random() < 0.8 else int(rng.integers(5, 150))
     past = int(rng.integers(0, 300)) if rng.random() < 0.8 else 0
@@ -212,6 +212,8 @@ def random_attention_case(rng):
              "attention_bias": bias.astype(np.float32)}
     if past == 0 and rng.random() < 0.5:
         del feeds["past_key"], feeds["past_value"]
+    elif rng.random() < 1 / 3:
+        feeds["past_key"], feeds["past_value"] = (feeds[n].astype(np.float16) for n in ("past_key", "past_value"))
     if rng.random() < 0.5:
         feeds["qkv_bias"] = rng.standard_normal(3 * heads * dim).astype(np.float32)
     roll = rng.random()
@@ -232,7 +234,9 @@ def random_attention_case(rng):
 
 def attention_problem(feeds, heads):
     """Why DecoderAttention must refuse these inputs, or None."""
-    if any(v.dtype != (np.int32 if n in ("seqlens_k", "total_sequence_length") else np.float32) for n, v in feeds.items()):
+    cache = feeds["past_key"].dtype if "past_key" in feeds else np.float32  # float32 or float16, past and present
+    expected = {"seqlens_k": np.int32, "total_sequence_length": np.int32, "past_key": cache, "past_value": cache}
+    if cache not in (np.float32, np.float16) or any(v.dtype != expected.get(n, np.float32) for n, v in feeds.items()):
         return "type"
     qkv, total = feeds["qkv"].shape, feeds["total_sequence_length"]
     if len(qkv) != 3 or qkv[2] == 0 or qkv[2] % (3 * heads) or total.shape not in ((), (1,)) or total.size != 1:
@@ -398,8 +402,10 @@ def main():
             make_model = lambda: window_starts_model(h, r)  # noqa: E731
         elif kind == "attention":
             feeds, heads, problem = random_attention_case(rng)
-            dtype, key = np.float32, ("attention", heads, "past_key" in feeds, "qkv_bias" in feeds)
-            make_model = lambda: attention_model(heads, past="past_key" in feeds, qkv_bias="qkv_bias" in feeds)  # noqa: E731
+            cache = "float16" if "past_key" in feeds and feeds["past_key"].dtype == np.float16 else "float32"
+            dtype, key = np.float32, ("attention", heads, "past_key" in feeds, "qkv_bias" in feeds, cache)
+            make_model = lambda: attention_model(heads, past="past_key" in feeds, qkv_bias="qkv_bias" in feeds,  # noqa: E731
+                                                 kv_cache=cache)
         elif kind == "matmul":
             feeds, attributes, dtype, problem = random_matmul_case(rng)
             key = tuple(attributes.values())

@@ -53,12 +53,14 @@ inline Lanes<W> KeySums(Lanes<W>* v) {
   }
 }
 
-// scores[j] = q . key j for j < n, keys ld floats apart: W keys a pass (independent chains hide
+// scores[j] = q . key j for j < n, keys ld elements apart: W keys a pass (independent chains hide
 // the FMA latency; their lanes summed together by KeySums, not a key at a time), then one at a time.
-void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t dim, float* scores) {
-  constexpr int W = kNarrow;
+// C, here and below: the cache's element, float or float16 (uint16_t), read as float.
+template <typename C>
+void Scores(const float* q, const C* keys, int64_t ld, int64_t n, int64_t dim, float* scores) {
+  constexpr int W = std::is_same_v<C, float> ? kNarrow : kWide;
   const int64_t full = dim / W * W;
-  auto tail = [&](int64_t j) { float sum = 0.0f; for (int64_t c = full; c < dim; ++c) sum += q[c] * keys[j * ld + c]; return sum; };
+  auto tail = [&](int64_t j) { float sum = 0.0f; for (int64_t c = full; c < dim; ++c) sum += q[c] * ToFloat(keys[j * ld + c]); return sum; };
   int64_t j = 0;
   for (; j + W <= n; j += W) {
     Lanes<W> acc[W] = {};
@@ -75,27 +77,28 @@ void Scores(const float* q, const float* keys, int64_t ld, int64_t n, int64_t di
   }
 }
 
-// out[c] = sum over j < n of p[j] value j[c], values ld floats apart: per block of up to eight
+// out[c] = sum over j < n of p[j] value j[c], values ld elements apart: per block of up to eight
 // registers of columns (a head_dim of 64 in one), one pass over the keys front to back with the
 // sums in registers (a store and reload of out per key made each key wait for the previous one;
 // blocks of four read each row in two passes, slower from memory); narrow blocks split the
-// keys over chains (key j into chain j mod C, added at the end) to hide the FMA latency.
-void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, int64_t dim, float* out) {
-  constexpr int W = kNarrow, kUnits = 8;
+// keys over chains (key j into chain j mod kChains, added at the end) to hide the FMA latency.
+template <typename C>
+void WeightedValues(const float* p, const C* values, int64_t ld, int64_t n, int64_t dim, float* out) {
+  constexpr int W = std::is_same_v<C, float> ? kNarrow : kWide, kUnits = 8;
   const int64_t full = dim / W;
   auto block = [&](auto units, int64_t u0) __attribute__((always_inline)) {
-    constexpr int U = decltype(units)::value, C = U >= 8 ? 1 : U >= 4 ? 2 : 4;
-    Lanes<W> acc[C][U] = {};
+    constexpr int U = decltype(units)::value, kChains = U >= 8 ? 1 : U >= 4 ? 2 : 4;
+    Lanes<W> acc[kChains][U] = {};
     int64_t j = 0;
-    for (; j + C <= n; j += C) {
-      for (int r = 0; r < C; ++r)
+    for (; j + kChains <= n; j += kChains) {
+      for (int r = 0; r < kChains; ++r)
         for (int u = 0; u < U; ++u) acc[r][u] += p[j + r] * ToLanes<W>(values + (j + r) * ld + (u0 + u) * W);
     }
     for (; j < n; ++j)
       for (int u = 0; u < U; ++u) acc[0][u] += p[j] * ToLanes<W>(values + j * ld + (u0 + u) * W);
     for (int u = 0; u < U; ++u) {
       Lanes<W> sum = acc[0][u];
-      for (int r = 1; r < C; ++r) sum += acc[r][u];
+      for (int r = 1; r < kChains; ++r) sum += acc[r][u];
       std::memcpy(out + (u0 + u) * W, &sum, sizeof sum);
     }
   };
@@ -106,7 +109,7 @@ void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, 
   if (full - u0 >= 1) block(std::integral_constant<int, 1>{}, u0), u0 += 1;
   for (int64_t c = full * W; c < dim; ++c) {
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) sum += p[j] * values[j * ld + c];
+    for (int64_t j = 0; j < n; ++j) sum += p[j] * ToFloat(values[j * ld + c]);
     out[c] = sum;
   }
 }
@@ -115,8 +118,8 @@ void WeightedValues(const float* p, const float* values, int64_t ld, int64_t n, 
 // (a head's cache holds its keys back to back, ld = M), so no lane idles and one fold tree sums
 // twice the keys (faster than the paths above for a small model's heads).
 // M = head_dim divides W; keys past the last full pass one at a time.
-template <int M>
-void PackedScores(const float* q, const float* keys, int64_t n, float* scores) {
+template <int M, typename C>
+void PackedScores(const float* q, const C* keys, int64_t n, float* scores) {
   constexpr int W = kWide, kKeys = W / M;
   Lanes<W> qs;
   for (int l = 0; l < W; ++l) qs[l] = q[l % M];
@@ -129,7 +132,7 @@ void PackedScores(const float* q, const float* keys, int64_t n, float* scores) {
   }
   for (; j < n; ++j) {
     float sum = 0.0f;
-    for (int c = 0; c < M; ++c) sum += q[c] * keys[j * M + c];
+    for (int c = 0; c < M; ++c) sum += q[c] * ToFloat(keys[j * M + c]);
     scores[j] = sum;
   }
 }
@@ -140,26 +143,26 @@ inline Lanes<W> Spread(Lanes<W> p, std::index_sequence<I...>) {
   return __builtin_shufflevector(p, p, (R * (W / M) + I / M)...);
 }
 
-template <int W, int M, int C, size_t... R>
-inline void WeighPass(Lanes<W> p, const float* values, Lanes<W>* acc, std::index_sequence<R...>) {
-  ((acc[R % C] += Spread<W, M, R>(p, std::make_index_sequence<W>{}) * ToLanes<W>(values + R * W)), ...);
+template <int W, int M, int Chains, typename C, size_t... R>
+inline void WeighPass(Lanes<W> p, const C* values, Lanes<W>* acc, std::index_sequence<R...>) {
+  ((acc[R % Chains] += Spread<W, M, R>(p, std::make_index_sequence<W>{}) * ToLanes<W>(values + R * W)), ...);
 }
 
 // out[c] = sum over j < n of p[j] value j[c], as PackedScores reads the values: W keys a pass (the
 // weights of M registers from one load), into C chains; the chains and then the kKeys keys of a
 // register added at the end.
-template <int M>
-void PackedWeightedValues(const float* p, const float* values, int64_t n, float* out) {
-  constexpr int W = kWide, kKeys = W / M, C = 4;
-  Lanes<W> acc[C] = {};
+template <int M, typename C>
+void PackedWeightedValues(const float* p, const C* values, int64_t n, float* out) {
+  constexpr int W = kWide, kKeys = W / M, kChains = 4;
+  Lanes<W> acc[kChains] = {};
   int64_t j = 0;
-  for (; j + W <= n; j += W) WeighPass<W, M, C>(ToLanes<W>(p + j), values + j * M, acc, std::make_index_sequence<M>{});
+  for (; j + W <= n; j += W) WeighPass<W, M, kChains>(ToLanes<W>(p + j), values + j * M, acc, std::make_index_sequence<M>{});
   const Lanes<W> sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   float result[M] = {};
   for (int k = 0; k < kKeys; ++k)
     for (int c = 0; c < M; ++c) result[c] += sum[k * M + c];
   for (; j < n; ++j)
-    for (int c = 0; c < M; ++c) result[c] += p[j] * values[j * M + c];
+    for (int c = 0; c < M; ++c) result[c] += p[j] * ToFloat(values[j * M + c]);
   std::memcpy(out, result, sizeof result);
 }
 
@@ -175,13 +178,26 @@ bool WithPackedHead(int64_t dim, F&& f) {
   }
 }
 
-void Attention(const AttentionSizes& s, const float* qkv, const float* past_key, const float* past_value,
-               const int32_t* seqlens_k, const float* bias, float* y, float* present_key, float* present_value,
+// rows [0, n) of a head's cache as float: the cache itself, or (float16) a copy in scratch.
+template <typename C>
+const float* AsFloat(const C* cache, int64_t n, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<C, float>) {
+    return cache;
+  } else {
+    scratch.resize(n);
+    for (int64_t i = 0; i < n; ++i) scratch[i] = ToFloat(cache[i]);
+    return scratch.data();
+  }
+}
+
+template <typename C>
+void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, const C* past_value,
+               const int32_t* seqlens_k, const float* bias, float* y, C* present_key, C* present_value,
                const ParallelFor& parallel_for) {
   const int64_t dim = s.head_dim, width = 3 * s.heads * dim, heads = s.batch * s.heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const auto past_of = [&](int64_t b) { return static_cast<int64_t>(seqlens_k[b]) + 1 - s.sequence; };
-  const auto cache = [&](float* present, int64_t b, int64_t h) { return present + (b * s.heads + h) * s.present * dim; };
+  const auto cache = [&](C* present, int64_t b, int64_t h) { return present + (b * s.heads + h) * s.present * dim; };
   const auto token = [&](int64_t b, int64_t i) { return qkv + (b * s.sequence + i) * width; };
   // The cache first: unless present is past's own buffer, row b's past_b positions copied and the
   // rest zeroed; then the new keys and values after them.
@@ -191,14 +207,16 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
   loop(static_cast<size_t>(heads), [&](size_t item) {
     const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
     for (int which = 0; which < 2; ++which) {
-      float* present = cache(which ? present_value : present_key, b, h);
+      C* present = cache(which ? present_value : present_key, b, h);
       if (!shared) {
-        const float* past = (which ? past_value : past_key);
-        if (past_of(b)) std::memcpy(present, past + (b * s.heads + h) * s.past * dim, past_of(b) * dim * sizeof(float));
-        std::fill(present + past_of(b) * dim, present + s.present * dim, 0.0f);
+        const C* past = (which ? past_value : past_key);
+        if (past_of(b)) std::memcpy(present, past + (b * s.heads + h) * s.past * dim, past_of(b) * dim * sizeof(C));
+        std::fill(present + past_of(b) * dim, present + s.present * dim, C{0});  // +0.0 in float and in half
       }
       for (int64_t i = 0; i < s.sequence; ++i) {
-        std::memcpy(present + (past_of(b) + i) * dim, token(b, i) + (1 + which) * s.heads * dim + h * dim, dim * sizeof(float));
+        const float* from = token(b, i) + (1 + which) * s.heads * dim + h * dim;
+        C* to = present + (past_of(b) + i) * dim;
+        for (int64_t c = 0; c < dim; ++c) FromFloat(from[c], to + c);
       }
     }
   });
@@ -218,7 +236,8 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
       const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
       float* row = rows.data() + static_cast<int64_t>(item) * ld;
       for (int64_t i = 0; i < s.sequence; ++i) {
-        const float *q = token(b, i) + h * dim, *keys = cache(present_key, b, h), *values = cache(present_value, b, h);
+        const float* q = token(b, i) + h * dim;
+        const C *keys = cache(present_key, b, h), *values = cache(present_value, b, h);
         float* out = y + (b * s.sequence + i) * s.heads * dim + h * dim;
         const int64_t n = seen(b, i);
         const bool packed = WithPackedHead(dim, [&](auto m) {
@@ -243,15 +262,17 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
     const int64_t first = block * kAttentionQueries, n = std::min(kAttentionQueries, s.sequence - first);
     const int64_t keys = seen(b, first + n - 1), ld = (keys + 15) / 16 * 16;  // rows aligned for Softmax
     Eigen::ArrayXf scores(n * ld);
+    std::vector<float> scratch;
     const std::vector<float> queries = PackTokens(n, dim, [&](int64_t t) { return token(b, first + t) + h * dim; });
-    Gemm<true>(TilesOf(queries, dim), n, dim, cache(present_key, b, h), dim, keys, scores.data(), ld);
+    Gemm<true>(TilesOf(queries, dim), n, dim, AsFloat(cache(present_key, b, h), keys * dim, scratch), dim, keys,
+               scores.data(), ld);
     for (int64_t t = 0; t < n; ++t) {
       float* row = scores.data() + t * ld;
       weigh(b, first + t, row);
       std::fill(row + seen(b, first + t), row + keys, 0.0f);
     }
     const std::vector<float> weights = PackTokens(n, keys, [&](int64_t t) { return scores.data() + t * ld; });
-    Gemm<false>(TilesOf(weights, keys), n, keys, cache(present_value, b, h), dim, dim,
+    Gemm<false>(TilesOf(weights, keys), n, keys, AsFloat(cache(present_value, b, h), keys * dim, scratch), dim, dim,
                 y + (b * s.sequence + first) * s.heads * dim + h * dim, s.heads * dim);
   });
 }
@@ -259,9 +280,10 @@ void Attention(const AttentionSizes& s, const float* qkv, const float* past_key,
 
 }  // namespace
 
-void RunAttention(const AttentionSizes& s, const float* qkv, const float* past_key, const float* past_value,
-                  const int32_t* seqlens_k, const float* bias, const float* qkv_bias, float* y, float* present_key,
-                  float* present_value, const ParallelFor& parallel_for) {
+template <typename C>
+void RunAttention(const AttentionSizes& s, const float* qkv, const C* past_key, const C* past_value,
+                  const int32_t* seqlens_k, const float* bias, const float* qkv_bias, float* y, C* present_key,
+                  C* present_value, const ParallelFor& parallel_for) {
   // The bias added once, into a copy (as its own Add node would: the same bits); a decode step's
   // qkv is a few KB, a prefill's one pass more than the attention's own.
   std::vector<float> biased;
@@ -274,6 +296,12 @@ void RunAttention(const AttentionSizes& s, const float* qkv, const float* past_k
   }
   Attention(s, qkv, past_key, past_value, seqlens_k, bias, y, present_key, present_value, parallel_for);
 }
+
+template void RunAttention<float>(const AttentionSizes&, const float*, const float*, const float*, const int32_t*,
+                                  const float*, const float*, float*, float*, float*, const ParallelFor&);
+template void RunAttention<uint16_t>(const AttentionSizes&, const float*, const uint16_t*, const uint16_t*,
+                                     const int32_t*, const float*, const float*, float*, uint16_t*, uint16_t*,
+                                     const ParallelFor&);
 
 
 }  // namespace INFMOE_VARIANT

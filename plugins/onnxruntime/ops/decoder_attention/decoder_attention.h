@@ -20,8 +20,11 @@ struct AttentionSizes {
   int64_t total;    // total_sequence_length: attention_bias [1 or batch, 1, sequence, total]
   bool bias_batch;  // attention_bias has a row per batch row (else one, broadcast)
 };
-void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const float* past_key, const float* past_value,
+// The cache (past and present alike) holds C: float, or uint16_t for float16 (keys and values read
+// as float; the new ones rounded to float16 as they are written, then read back like the rest).
+template <typename C>
+void DecoderAttention(const AttentionSizes& sizes, const float* qkv, const C* past_key, const C* past_value,
                       const int32_t* seqlens_k, const float* attention_bias, const float* qkv_bias, float* y,
-                      float* present_key, float* present_value, const ParallelFor& parallel_for);
+                      C* present_key, C* present_value, const ParallelFor& parallel_for);
 
 }  // namespace infmoe

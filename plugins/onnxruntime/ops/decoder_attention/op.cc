@@ -9,15 +9,20 @@ namespace {
 // DecoderAttention: qkv [B, S, 3 H d], past_key and past_value [B, H, P, d] (optional: both or
 // neither), seqlens_k int32 [B], total_sequence_length int32 [1], attention_bias [1 or B, 1, S, T],
 // qkv_bias [3 H d] (optional); outputs y [B, S, H d], present_key and present_value [B, H, max(P, T), d].
-// float32 only (the onnxruntime target's activations); the other inputs' types are checked here, by name.
+// Activations float32 (the onnxruntime target's); the cache (past and present) float32 or float16, one
+// kernel each, chosen by its type; the other inputs' types are checked here, by name.
 constexpr const char* kAttentionNames[] = {"qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length",
                                            "attention_bias", "qkv_bias"};
 
-infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int32_t*& seqlens_k) {
+infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, ONNXTensorElementDataType cache,
+                                      const int32_t*& seqlens_k) {
   const auto require_type = [&](size_t i, ONNXTensorElementDataType type) {
     if (in.types[i] != type) Fail(std::string(kAttentionNames[i]) + " must be " + TypeName(type) + ", got " + TypeName(in.types[i]));
   };
-  for (size_t i : {1, 2, 5, 6}) {
+  for (size_t i : {1, 2}) {
+    if (in.Present(i)) require_type(i, cache);
+  }
+  for (size_t i : {5, 6}) {
     if (in.Present(i)) require_type(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   }
   require_type(3, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
@@ -70,15 +75,19 @@ infmoe::AttentionSizes CheckAttention(const Inputs& in, int64_t heads, const int
   return s;
 }
 
+// C: the cache's element, float or uint16_t (float16).
+template <typename C>
 struct AttentionCpuKernel {
   static constexpr const char* kName = "DecoderAttention";
   static constexpr size_t kInputs = 7, kOutputs = 3;
+  static constexpr ONNXTensorElementDataType kCache =
+      std::is_same_v<C, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   static ONNXTensorElementDataType InputType(size_t index, ONNXTensorElementDataType x) {
-    return index == 0 ? x : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    return index == 0 ? x : index <= 2 ? kCache : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   static bool Optional(size_t index) { return index == 1 || index == 2 || index == 6; }
   static bool OptionalOutput(size_t) { return false; }
-  static ONNXTensorElementDataType OutputType(size_t, ONNXTensorElementDataType x) { return x; }
+  static ONNXTensorElementDataType OutputType(size_t index, ONNXTensorElementDataType x) { return index == 0 ? x : kCache; }
 
   int64_t heads;
   ConstantInputs constants;
@@ -93,13 +102,14 @@ struct AttentionCpuKernel {
       Ort::KernelContext context(raw_context);
       const Inputs& inputs = Inputs::Read(context, constants);
       const int32_t* seqlens_k = nullptr;
-      const infmoe::AttentionSizes s = CheckAttention(inputs, heads, seqlens_k);
+      const infmoe::AttentionSizes s = CheckAttention(inputs, heads, kCache, seqlens_k);
       const int64_t output[] = {s.batch, s.sequence, s.heads * s.head_dim}, cache[] = {s.batch, s.heads, s.present, s.head_dim};
       Ort::UnownedValue y = context.GetOutput(0, output, 3);
       Ort::UnownedValue key = context.GetOutput(1, cache, 4), value = context.GetOutput(2, cache, 4);
-      infmoe::DecoderAttention(s, inputs.Data<float>(0), inputs.Data<float>(1), inputs.Data<float>(2), seqlens_k,
-                               inputs.Data<float>(5), inputs.Data<float>(6), y.GetTensorMutableData<float>(), key.GetTensorMutableData<float>(),
-                               value.GetTensorMutableData<float>(), ParallelForOf(context));
+      infmoe::DecoderAttention<C>(s, inputs.Data<float>(0), inputs.Data<C>(1), inputs.Data<C>(2), seqlens_k,
+                                  inputs.Data<float>(5), inputs.Data<float>(6), y.GetTensorMutableData<float>(),
+                                  static_cast<C*>(key.GetTensorMutableRawData()),
+                                  static_cast<C*>(value.GetTensorMutableRawData()), ParallelForOf(context));
     });
   }
 };
@@ -108,8 +118,9 @@ struct AttentionCpuKernel {
 }  // namespace
 
 std::vector<OrtCustomOp*> DecoderAttentionOps() {
-  static Op<AttentionCpuKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu(nullptr);
-  return {&cpu};
+  static Op<AttentionCpuKernel<float>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu(nullptr);
+  static Op<AttentionCpuKernel<uint16_t>, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> cpu_half_cache(nullptr);
+  return {&cpu, &cpu_half_cache};
 }
 
 }  // namespace ort
