@@ -47,8 +47,8 @@ from . import arguments, record
 
 PRECISIONS = {"fp32": {}, "all-int8": {"dtype": "int8", "quantize_other": "int8"},
               "all-int4": {"dtype": "int4", "quantize_other": "int4"},
-              # the same all-int4 file, run with the kernel's int8 activations (infmoe.activations)
-              "all-int4-a8": {"dtype": "int4", "quantize_other": "int4", "activations": "int8"}}
+              # all-int4 on the kernel's int8 activations (infmoe.activations) with a float16 KV cache
+              "all-int4-a8": {"dtype": "int4", "quantize_other": "int4", "activations": "int8", "kv_cache": "float16"}}
 # all-int4-a8 is what `infmoe-export onnx --dtype int4` writes: measured by default.
 DEFAULT_PRECISIONS = ("fp32", "all-int8", "all-int4", "all-int4-a8")
 
@@ -124,10 +124,12 @@ class Contender:
     prefill: Callable[[int], Callable]           # tokens -> step
     rss: Callable[[], dict]
     close: Callable[[], None] = lambda: None
+    kv_cache: Optional[str] = None               # ours: the exported KV cache's type
 
     def describe(self) -> dict:
         return {"name": self.name, "runtime": self.runtime, "model": self.model, "precision": self.precision,
-                "k": self.k, "file_bytes": file_bytes(self.path)}
+                "k": self.k, "file_bytes": file_bytes(self.path),
+                **({"kv_cache": self.kv_cache} if self.kv_cache else {})}
 
 
 def file_bytes(path: Path) -> int:
@@ -155,7 +157,8 @@ def onnxruntime_contender(name, runtime, model, precision, k, exported, threads,
     return Contender(name, runtime, model, precision, k, exported.path, decode=decoder.step_at,
                      batched=(lambda past, b: decoder.step_at(past, b)) if batched else None,
                      prefill=decoder.prefill_at,
-                     rss=lambda: measure_child("ort", exported, None, PAST, threads, None))
+                     rss=lambda: measure_child("ort", exported, None, PAST, threads, None),
+                     kv_cache=exported.io.kv_cache)
 
 
 def llama_contender(size: str, file_type: str, path: Path, threads: int) -> Contender:

@@ -87,10 +87,13 @@ def markdown(result: dict, source: str) -> str:
                   f"Python {machine['python']}, {versions}. From `{source}`; `python -m benchmarks.table` "
                   "rewrites this table. Random weights: speed, not quality. Peak RSS is the model's share of "
                   "a fresh process." + shown_note(len(shown), len(result["contenders"]))]
-    if any(c["name"].split()[1].endswith("-a8") for c in result["contenders"] if c["name"].startswith("ours")):
-        lines.append("`-a8`: the same all-int4 file run with the kernel's int8 activations (session option "
-                     "`infmoe.activations = int8`), what `infmoe-export onnx --dtype int4` writes by default; "
-                     "without `-a8`: float activations (`--activations float`).")
+    a8 = [c for c in result["contenders"] if c["name"].startswith("ours") and c["name"].split()[1].endswith("-a8")]
+    if a8:
+        half = a8[0].get("kv_cache") == "float16"
+        lines.append("`-a8`: all-int4 run with the kernel's int8 activations (session option `infmoe.activations = "
+                     f"int8`){' and a float16 KV cache' if half else ''}, what `infmoe-export onnx --dtype int4` "
+                     "writes by default; without `-a8`: float activations "
+                     f"(`--activations float{' --kv-cache float32' if half else ''}`).")
     if result["options"].get("quick"):
         lines.append("A `--quick` run: few configurations.")
     if result["skipped"]:

@@ -116,7 +116,9 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
       dot products, judged at level 2: the faster path, as onnxruntime-genai's int4 CPU models
       do); int8 models keep float ones (FASTER_ACTIVATIONS). --activations chooses either for
       both. Other models are float.
-    - The KV cache is float32, or float16 (--kv-cache) on the onnxruntime target only."""
+    - The KV cache is float32, or float16 (--kv-cache) on the onnxruntime target only: by default
+      there for the models on int8 activations, which are judged at level 2 already (a float16
+      cache is within the same budget: benchmarks.activations)."""
     dtypes = list(dtypes or ["fp32"])
     quantized = [d for d in dtypes if d in BITS]
     if deploy is not None and target is not None and target != deploy:
@@ -177,8 +179,11 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
             return "float"
         return activations or FASTER_ACTIVATIONS[dtype]
 
+    def cache(dtype: str) -> str:
+        return kv_cache or ("float16" if kind(dtype) == "int8" else "float32")
+
     return [ExportChoice(chosen, dtype, other(dtype), block_size if dtype in BITS else DEFAULT_BLOCK_SIZE,
-                         kind(dtype), kv_cache or "float32", note) for dtype in dtypes]
+                         kind(dtype), cache(dtype), note) for dtype in dtypes]
 
 
 DEPLOYMENT_HELP = {"onnxruntime": "onnxruntime (the default: its fused graph, int8 / int4 read by our kernels)",
@@ -196,9 +201,9 @@ ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices m
                     "overrides it.")
 
 
-KV_CACHE_HELP = ("Finer: the onnxruntime target's KV cache (past_key_values.*, present.*): float32 (the default) or "
-                 "float16 (half the bytes a decode step reads of it; keys and values rounded, judged by the accuracy "
-                 "budget).")
+KV_CACHE_HELP = ("Finer: the onnxruntime target's KV cache (past_key_values.*, present.*): float16 (half the bytes "
+                 "a decode step reads of it; keys and values rounded, judged by the accuracy budget: the default "
+                 "with int8 activations) or float32 (the default otherwise).")
 
 
 def _weight_bytes(bits: int) -> str:

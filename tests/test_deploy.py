@@ -96,17 +96,17 @@ def test_deploy_takes_the_fastest_precision_within_budget(tmp_path, run_cli, mon
         ["level 2: forced"] if row["dtype"] == "int4" else budget(row, *limits)))
     status, text, err = run_cli("deploy", "--out", tmp_path / "out", "--k", "1", *FAST)
     assert status == 0, err
-    assert "onnxruntime all-int4: over the accuracy budget" in err and "trying the next precision" in err
+    assert "onnxruntime all-int4 kv16: over the accuracy budget" in err and "trying the next precision" in err
     certificate = json.loads((tmp_path / "out" / "certificate.json").read_text())
     assert certificate["export"] == "onnxruntime all-int8"
     refused, = certificate["refused"]
-    assert refused["export"] == "onnxruntime all-int4" and "level 2: forced" in refused["why"][0]
+    assert refused["export"] == "onnxruntime all-int4 kv16" and "level 2: forced" in refused["why"][0]
     assert ExportedModel.read(tmp_path / "out" / "k1" / "model.onnx").io.label == "onnxruntime all-int8"
-    assert "Refused first: onnxruntime all-int4" in (tmp_path / "out" / "README.md").read_text()
+    assert "Refused first: onnxruntime all-int4 kv16" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("patch, args, message", [
-    ("budget_problems", ["--dtype", "int4"], "onnxruntime all-int4 is over the accuracy budget: "),
+    ("budget_problems", ["--dtype", "int4"], "onnxruntime all-int4 kv16 is over the accuracy budget: "),
     ("polygraphy_passes", ["--dtype", "fp32"], "the ort"),
 ])
 def test_deploy_failing_certificate_writes_nothing(tmp_path, run_cli, monkeypatch, patch, args, message):

@@ -215,10 +215,15 @@ def _labels(config, *args, **kwargs):
 def test_export_choices_resolve_the_flags(monkeypatch):
     assert _labels(CONFIG) == [("onnxruntime fp32", 32)]
     assert _labels(CONFIG, ["fp32", "fp16", "int8", "int4"], block_size=64) == [
-        ("onnxruntime fp32", 32), ("onnxruntime fp16", 32), ("onnxruntime all-int8", 64), ("onnxruntime all-int4", 64)]
+        ("onnxruntime fp32", 32), ("onnxruntime fp16", 32), ("onnxruntime all-int8", 64), ("onnxruntime all-int4 kv16", 64)]
+    # int8 activations (int4's default) bring a float16 KV cache; float activations or the flag keep float32
+    assert _labels(CONFIG, ["int8"], activations="int8") == [("onnxruntime all-int8 kv16", 32)]
+    assert _labels(CONFIG, ["int4"], activations="float") == [("onnxruntime all-int4", 32)]
+    assert _labels(CONFIG, ["int4"], kv_cache="float32") == [("onnxruntime all-int4", 32)]
+    assert _labels(CONFIG, ["fp32"], kv_cache="float16") == [("onnxruntime fp32 kv16", 32)]
     # the finer flags win: experts only, mixed, another target
-    assert _labels(CONFIG, ["int4"], quantize_other="none") == [("onnxruntime int4 experts", 32)]
-    assert _labels(CONFIG, ["int4"], quantize_other="int8") == [("onnxruntime int4 experts, int8 other", 32)]
+    assert _labels(CONFIG, ["int4"], quantize_other="none") == [("onnxruntime int4 experts kv16", 32)]
+    assert _labels(CONFIG, ["int4"], quantize_other="int8") == [("onnxruntime int4 experts, int8 other kv16", 32)]
     assert _labels(CONFIG, ["int4"], deploy="portable") == [("portable all-int4", 32)]
     assert _labels(CONFIG, ["int4"], target="tensorrt") == [("tensorrt int4 experts", 32)]
     assert _labels(CONFIG, ["int4"], target="tensorrt", quantize_other="int4") == [("tensorrt all-int4", 32)]
@@ -282,9 +287,9 @@ def test_cli_int4_is_all_int4_for_onnxruntime(model, tmp_path, run_cli):
     code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", tmp_path / "m.onnx", "--k", 2, "--dtype", "int4",
                            "--block-size", 16)
     assert code == 0, err
-    assert "(onnxruntime all-int4," in err and "validated" in err
+    assert "(onnxruntime all-int4 kv16," in err and "validated" in err
     exported = ExportedModel.read(tmp_path / "m.onnx")
-    assert exported.io.label == "onnxruntime all-int4" and exported.io.quantized == ["experts", "attention",
+    assert exported.io.label == "onnxruntime all-int4 kv16" and exported.io.quantized == ["experts", "attention",
                                                                                       "embedding"]
     ops = _ops(exported.path)
     assert ops[("infmoe", "QMatMul")] == 2 * CONFIG.n_layer + 1 and ops[("infmoe", "QContinuousSliceFFN")] == 2
@@ -324,9 +329,9 @@ def test_parity_and_bench_measure_the_export_choice(model, tmp_path, run_cli):
                              "--block-size", 16, "--k", 1, "--backends", "ort", "--max-windows", 1,
                              "--max-ppl-increase", 1000, "--min-top1", 0)
     assert code == 0, err
-    assert "models: onnxruntime all-int4" in out
+    assert "models: onnxruntime all-int4 kv16" in out
     exported, = (tmp_path / "parity" / "models" / "int4").glob("*.onnx")
-    assert ExportedModel.read(exported).io.label == "onnxruntime all-int4"
+    assert ExportedModel.read(exported).io.label == "onnxruntime all-int4 kv16"
     rows = json.loads((tmp_path / "parity" / "report.json").read_text())["parity"]["results"]
     assert {(r["backend"], r["status"]) for r in rows} == {("torch", "reference"), ("ort", "pass")}
     code, out, err = run_cli("bench", "--checkpoint", ckpt, "--k", 1, "--batch", 1, "--seq", 1, "--past", 4,

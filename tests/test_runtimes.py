@@ -194,7 +194,7 @@ def test_run_exports_the_export_choice(tmp_path, run_cli, monkeypatch, make_chec
         assert f"({io.label})" in err
         expected = generate(TorchRunner(io, model), b"ab", 4)
         assert out == "ab" + bytes(expected).decode("utf-8", errors="replace") + "\n"
-    assert ExportedModel.read(entries["int4"]).io.label == "onnxruntime all-int4"
+    assert ExportedModel.read(entries["int4"]).io.label == "onnxruntime all-int4 kv16"
     assert ExportedModel.read(entries["portable"]).io.label == "portable fp32"
 
 

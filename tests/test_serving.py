@@ -88,7 +88,7 @@ def test_every_config_parses_with_tritons_schema(repository):
     assert front_config.parameters["default_precision"].string_value == "fp32"
     assert sorted(cfg.routes_of(front_config)) == ["1/fp32", "1/int4", "8/fp32", "8/int4"]
     for k in KS:
-        for precision, label in (("fp32", "onnxruntime fp32"), ("int4", "onnxruntime all-int4")):
+        for precision, label in (("fp32", "onnxruntime fp32"), ("int4", "onnxruntime all-int4 kv16")):
             name = f"infmoe_k{k}_{precision}"
             model = _parse(repository / name / "config.pbtxt")
             assert model.platform == "onnxruntime_onnx" and model.parameters["infmoe.k"].string_value == str(k)

@@ -1,5 +1,6 @@
 """`infmoe-export onnx`: export a checkpoint, then validate it in onnxruntime (on by default)."""
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -56,8 +57,10 @@ def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quant
               DEFAULT_DEPLOYMENT)
     choice, = choices_from_flags(config, deploy, dtype, quantize_other, block_size, target, activations=activations,
                                  kv_cache=kv_cache)
-    if no_past and choice.kv_cache == "float16":
+    if no_past and kv_cache == "float16":
         raise InfMoEError("--kv-cache float16 applies to the KV cache, and --no-past exports none")
+    if no_past:
+        choice = dataclasses.replace(choice, kv_cache="float32")  # no cache: its default does not apply
     if atol is not None and not atol > 0:
         raise InfMoEError(f"--atol must be positive, got {atol}")
     if no_function and not no_validate:
