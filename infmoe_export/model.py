@@ -435,11 +435,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x, allowed, past: Optional[tuple]):
-        """x [B, T, D]; allowed [B, 1, T, past + T] bool; past (key, value) [B, h, past, hd]."""
+    def forward(self, x, allowed, past: Optional[tuple], cache_dtype: Optional[torch.dtype] = None):
+        """x [B, T, D]; allowed [B, 1, T, past + T] bool; past (key, value) [B, h, past, hd];
+        cache_dtype: the type a deployed cache stores keys and values in (None: x's), the new
+        ones rounded to it before they are attended over, as they are stored."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).split(D, dim=-1)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if cache_dtype is not None:
+            k, v = k.to(cache_dtype).to(q.dtype), v.to(cache_dtype).to(q.dtype)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -458,8 +462,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.moe = FFN_OF[config.model_type](config)
 
-    def forward(self, x, allowed, eps, past):
-        a, present = self.attn(self.ln_1(x), allowed, past)
+    def forward(self, x, allowed, eps, past, cache_dtype=None):
+        a, present = self.attn(self.ln_1(x), allowed, past, cache_dtype)
         h = x + a
         y, starts = self.moe(self.ln_2(h), eps)
         return h + y, present, starts
@@ -535,10 +539,12 @@ class InfMoEGPT(nn.Module):
         expert_noise: Optional[torch.Tensor] = None,
         generator: Optional[torch.Generator] = None,
         return_starts: bool = False,
+        cache_dtype: Optional[torch.dtype] = None,
     ) -> Output:
         """input_ids [B, T]; attention_mask [B, past + T] (1 = token, 0 = left padding);
         past_key_values per layer (key, value); k the expert budget (default num_samples);
-        expert_noise [B, T, K] overrides the noise mode (the exported graph's input)."""
+        expert_noise [B, T, K] overrides the noise mode (the exported graph's input); cache_dtype
+        the type a deployed KV cache stores (torch.float16: `--kv-cache float16`), None: float."""
         B, T = input_ids.shape
         eps = self.expert_inputs(B, T, k, noise, expert_noise, generator)
         past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
@@ -560,7 +566,8 @@ class InfMoEGPT(nn.Module):
         x = self.wte(input_ids) + self.wpe(position_ids)
         presents, all_starts = [], []
         for i, block in enumerate(self.h):
-            x, present, starts = block(x, allowed, eps, None if past_key_values is None else past_key_values[i])
+            x, present, starts = block(x, allowed, eps, None if past_key_values is None else past_key_values[i],
+                                       cache_dtype)
             presents.append(present)
             all_starts.append(starts)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied embeddings

@@ -218,7 +218,6 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
         register = (f'so.add_session_config_entry("{ort_kernel.ACTIVATIONS}", "int8")  # as deployed: integer dot products\n'
                     + register)
     s = certificate["settings"]
-    half_cache = certificate["export_options"].get("kv_cache") == "float16"
     lines = [
         f"# ∞-MoE deployment: {certificate['export']}, K = {', '.join(map(str, ks))}", "",
         f"Written by infmoe-export {certificate['tool_version']} on {certificate['created']} from "
@@ -234,11 +233,10 @@ def readme(certificate: dict, latency: dict, kernel: bool) -> str:
            "against the float model (level 2) and `ort`, the same kernels on float activations, against PyTorch "
            "(level 1). A client that registers the library without the session entry below runs them on float "
            "activations: the same logits within level 1, slower.", ""]
-          if certificate["export_options"].get("activations") == "int8" and not half_cache else []),
-        *(["The KV cache is float16 (`--kv-cache float16`): its keys and values are rounded, the reference's are "
-           "not, so every backend is judged against the float model alone (level 2); the figures against PyTorch "
-           "are shown as measured.", ""]
-          if half_cache else []),
+          if certificate["export_options"].get("activations") == "int8" else []),
+        *(["The KV cache is float16 (`--kv-cache float16`): keys and values are stored rounded to float16, and "
+           "the PyTorch reference rounds them alike.", ""]
+          if certificate["export_options"].get("kv_cache") == "float16" else []),
         f"On {s['tokens']} tokens of {s['text']}, the `{certificate['backend']}` backend against PyTorch on the same "
         f"weights (level 1: atol {s['atol']:g} / rtol {s['rtol']:g} on clean tokens, at least "
         f"{pct(s['min_start_agreement'])} of window starts agreeing) and against the float model (level 2: "

@@ -143,7 +143,7 @@ def verdicts(parity: Optional[dict], bench: Optional[dict], moe: bool = False) -
         else:  # level 1 passed at every K
             status = OVER_BUDGET if over else "passed"
             starts = [r["start_agreement"] for r in ran if r["start_agreement"] is not None]
-            # a level-2-only backend (int8 activations, a float16 KV cache) has no level-1 error on clean tokens
+            # a level-2-only backend (int8 activations) has no level-1 error on clean tokens
             errors = [e for e in ((r["error_clean"] or r["error_all"])["max"] for r in ran) if e is not None]
             text = (f"{where}; {'experts' if moe else 'starts'} agree ≥ {pct(min(starts))}, " if starts
                     else f"{where}; ") + (f"max |Δlogit| {sci(max(errors))}; " if errors else "")

@@ -21,15 +21,7 @@ BACKENDS = ("torch", "ort", "ort-a8", "ort-fallback", "trt")
 # The backends whose logits SPEC §6 level 1 does not bind: they are judged at level 2 only.
 LEVEL2_ONLY = ("ort-a8",)
 
-__all__ = ["BACKENDS", "LEVEL2_ONLY", "check_models", "find_models", "level2_only", "make_runner", "parse_backends",
-           "unavailable"]
-
-
-def level2_only(backend: str, model: ExportedModel) -> bool:
-    """Whether parity judges this backend's logits of this model at level 2 alone: int8
-    activations (LEVEL2_ONLY), or a model with a float16 KV cache, whose keys and values every
-    backend reads rounded to 11 bits (the reference keeps them in float32)."""
-    return backend in LEVEL2_ONLY or model.io.kv_cache == "float16"
+__all__ = ["BACKENDS", "LEVEL2_ONLY", "check_models", "find_models", "make_runner", "parse_backends", "unavailable"]
 
 
 def parse_backends(text: str, allow_torch: bool = True) -> List[str]:

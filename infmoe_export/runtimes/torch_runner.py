@@ -4,7 +4,9 @@ So Polygraphy's Comparator and data loaders treat the reference like any other b
 infer() takes the ONNX inputs (numpy) and returns the ONNX outputs (numpy, fp32).
 
 For an int8 / int4 model it runs the model with the dequantized weights w' (SPEC §6): the
-level-1 reference that every quantized backend must match with the float tolerances.
+level-1 reference that every quantized backend must match with the float tolerances. For a model
+with a float16 KV cache it rounds the keys and values to float16 as that cache stores them, so
+level 1 binds such a model too.
 """
 
 import time
@@ -60,9 +62,12 @@ class TorchRunner(BaseRunner):
         start = time.perf_counter()
         with torch.no_grad():
             output = self.model(tensors["input_ids"], tensors["attention_mask"], past, k=self.io.k,
-                                expert_noise=tensors.get("expert_noise"), return_starts=self.io.with_starts)
+                                expert_noise=tensors.get("expert_noise"), return_starts=self.io.with_starts,
+                                cache_dtype=torch.float16 if self.io.kv_cache == "float16" else None)
         self.inference_time = time.perf_counter() - start
-        return OrderedDict((name, t.cpu().numpy()) for name, t in self.io.flatten(output).items())
+        dtypes = self.io.dtypes()
+        return OrderedDict((name, t.cpu().numpy().astype(dtypes[name], copy=False))
+                           for name, t in self.io.flatten(output).items())
 
     def deactivate_impl(self):
         pass

@@ -176,8 +176,7 @@ def run_parity(torch_model, models: List[ExportedModel], *, backends: Sequence[s
     """The report's parity section: one reference row and one row per backend for every model.
     A backend passes level 1 (against the reference of the model's precision, see
     compare_backend) and level 2 (against the float model, within the budget); one on int8
-    activations, or any on a float16 KV cache (registry.level2_only), level 2 alone, its level-1
-    figures shown as measured.
+    activations (registry.LEVEL2_ONLY) level 2 alone, its level-1 figures shown as measured.
     progress(description) is called before each model (the pipeline's progress bar)."""
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
@@ -210,7 +209,7 @@ def run_parity(torch_model, models: List[ExportedModel], *, backends: Sequence[s
             row = {**blank_row(runner.name, info), "seconds": seconds[runner.name], "reference_perplexity": ref_ppl,
                    **compare_backend(runner.name, outputs[reference.name], outputs[runner.name], ids, atol, rtol,
                                      min_start_agreement)}
-            if registry.level2_only(runner.name, info):  # its figures against w' shown, not judged
+            if runner.name in registry.LEVEL2_ONLY:  # its figures against w' shown, not judged
                 row.update(level1="n/a", status="pass", reason=None)
             row.update(level2(torch_model, runner, row, texts, max_windows, seed))
             problems = budget_problems(row, max_ppl_increase, min_top1)
