@@ -73,7 +73,8 @@ SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "total_sequence_length"
 ACTIVATION_KINDS = ("float", "int8")
 # The KV cache's element type (past_key_values.* and present.*): float32, or float16 on the
 # onnxruntime target, whose attention reads it converted to float32 (half the bytes a decode step
-# reads of it; its keys and values rounded to 11 bits, judged at level 2). Older files: float32.
+# reads of it; its keys and values rounded to 11 bits, as the PyTorch reference then rounds them
+# too: InfMoEGPT's cache_dtype). Older files: float32.
 KV_CACHES = ("float32", "float16")
 
 
