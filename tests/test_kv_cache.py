@@ -311,3 +311,39 @@ def test_parity_judges_a_float16_cache_at_both_levels(model, tmp_path, run_cli):
     row = next(r for r in rows if r["backend"] == "ort-fallback")
     assert (row["level1"], row["level2"], row["status"]) == ("pass", "pass", "pass")
     assert row["error_all"]["max"] is not None
+
+
+def test_the_clients_generate_from_a_float16_cache_folder(model, tmp_path, run_cli):
+    """A folder exported with a float16 cache (Optimum's layout): Optimum's generate, with and
+    without the kernel, and onnxruntime-genai generate what `run` does, greedy; genai's
+    config takes the cache's type from the model's inputs."""
+    optimum_ort = pytest.importorskip("optimum.onnxruntime")
+    transformers = pytest.importorskip("transformers")
+    og = pytest.importorskip("onnxruntime_genai")
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    folder = tmp_path / "kv16"
+    code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", folder, "--k", 2, "--kv-cache", "float16")
+    assert code == 0, err
+    exported = ExportedModel.read(folder / "model.onnx")
+    prompt = [int(t) for t in np.random.default_rng([SEED, 7]).integers(1, 128, 6)]  # ASCII: a token a byte
+    with OrtRunner(exported.io, exported, kernel=False) as runner:
+        expected = generate(runner, prompt, STEPS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(bytes(prompt).decode("ascii"), return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == prompt  # byte ids: the prompt as given
+    options = [None]
+    if ort_kernel.custom_op_library() is not None:
+        options.append(onnxruntime.SessionOptions())
+        options[-1].register_custom_ops_library(str(ort_kernel.custom_op_library()))
+    for session_options in options:
+        client = optimum_ort.ORTModelForCausalLM.from_pretrained(folder, session_options=session_options)
+        out = client.generate(input_ids=ids, attention_mask=ids * 0 + 1, max_new_tokens=STEPS, do_sample=False)
+        assert out[0, len(prompt):].tolist() == expected, f"seed {SEED}"
+    genai = og.Model(str(folder))
+    params = og.GeneratorParams(genai)
+    params.set_search_options(max_length=len(prompt) + STEPS, do_sample=False, batch_size=1)
+    generator = og.Generator(genai, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    assert [int(t) for t in generator.get_sequence(0)][len(prompt):] == expected, f"seed {SEED}"
