@@ -132,3 +132,20 @@ def with_attributes(proto, attributes):
         del node.attribute[:]
         node.attribute.extend(kept + ([] if value is None else [helper.make_attribute(name, value)]))
     return proto
+
+
+def genai_generate(folder, prompts, new: int, pad: int = 0):
+    """onnxruntime-genai's greedy `new` tokens after each prompt of a batch, left-padded with `pad`
+    to the longest (genai feeds the pads as tokens: test_interop.py)."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    width = max(len(p) for p in prompts)
+    params.set_search_options(max_length=width + new, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [[int(t) for t in generator.get_sequence(i)][width:] for i in range(len(prompts))]

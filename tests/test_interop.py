@@ -29,7 +29,7 @@ from infmoe_export.runtimes import ort_kernel  # noqa: E402
 from infmoe_export.runtimes.generate import generate  # noqa: E402
 from infmoe_export.runtimes.ort import OrtRunner  # noqa: E402
 
-from conftest import TINY, random_model  # noqa: E402
+from conftest import TINY, genai_generate, random_model  # noqa: E402
 
 optimum_ort = pytest.importorskip("optimum.onnxruntime")
 transformers = pytest.importorskip("transformers")
@@ -158,15 +158,7 @@ def test_transformers_pipeline(folder, reference_tokens):
 
 
 def _genai(folder, prompts, new=NEW, pad=0):
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    width = max(len(p) for p in prompts)
-    params.set_search_options(max_length=width + new, do_sample=False, batch_size=len(prompts))
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [[int(t) for t in generator.get_sequence(i)][width:] for i in range(len(prompts))]
+    return genai_generate(folder, prompts, new, pad)
 
 
 def test_genai_matches_run(folder, reference_tokens):

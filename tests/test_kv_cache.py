@@ -36,7 +36,8 @@ from infmoe_export.serving import config as cfg
 from infmoe_export.serving import tritonserver_model as front
 from infmoe_export.verify.validate import DEFAULT_ATOL, validate_onnx
 
-from conftest import TINY, random_model
+from conftest import TINY, genai_generate, random_model
+from test_ort_attention import run_in_place
 
 SEED = int(os.environ.get("INFMOE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 # test_ort_target's config (head_dim 8, GroupQueryAttention's smallest), dense: slice_width = ffn_hidden.
@@ -175,16 +176,7 @@ def test_the_attention_function_over_a_float16_cache(batch, sequence, past):
     buffers = [np.zeros((batch, heads, 32, dim), np.float16) for _ in range(2)]
     for buffer, name in zip(buffers, ("past_key", "past_value")):
         buffer[:, :, :past] = feeds.pop(name)
-    binding = session.io_binding()
-    binding.bind_output("y")
-    for name, value in feeds.items():
-        binding.bind_cpu_input(name, value)
-    for name, buffer in zip(("key", "value"), buffers):
-        bound = onnxruntime.OrtValue.ortvalue_from_numpy(buffer)
-        binding.bind_ortvalue_input(f"past_{name}", bound)
-        binding.bind_ortvalue_output(f"present_{name}", bound)
-    session.run_with_iobinding(binding)
-    np.testing.assert_allclose(binding.get_outputs()[0].numpy(), y, rtol=1e-5, atol=1e-5, err_msg=f"seed {SEED}")
+    np.testing.assert_allclose(run_in_place(session, feeds, buffers), y, rtol=1e-5, atol=1e-5, err_msg=f"seed {SEED}")
     assert np.array_equal(buffers[0][:, :, :total], outputs[1]) and np.array_equal(buffers[1][:, :, :total], outputs[2])
 
 
@@ -319,7 +311,7 @@ def test_the_clients_generate_from_a_float16_cache_folder(model, tmp_path, run_c
     config takes the cache's type from the model's inputs."""
     optimum_ort = pytest.importorskip("optimum.onnxruntime")
     transformers = pytest.importorskip("transformers")
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     ckpt = save_checkpoint(model, tmp_path / "ckpt")
     folder = tmp_path / "kv16"
     code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", folder, "--k", 2, "--kv-cache", "float16")
@@ -339,11 +331,4 @@ def test_the_clients_generate_from_a_float16_cache_folder(model, tmp_path, run_c
         client = optimum_ort.ORTModelForCausalLM.from_pretrained(folder, session_options=session_options)
         out = client.generate(input_ids=ids, attention_mask=ids * 0 + 1, max_new_tokens=STEPS, do_sample=False)
         assert out[0, len(prompt):].tolist() == expected, f"seed {SEED}"
-    genai = og.Model(str(folder))
-    params = og.GeneratorParams(genai)
-    params.set_search_options(max_length=len(prompt) + STEPS, do_sample=False, batch_size=1)
-    generator = og.Generator(genai, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    assert [int(t) for t in generator.get_sequence(0)][len(prompt):] == expected, f"seed {SEED}"
+    assert genai_generate(folder, [prompt], STEPS) == [expected], f"seed {SEED}"

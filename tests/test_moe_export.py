@@ -31,7 +31,7 @@ from infmoe_export.runtimes.ort_moe import fallback_copy
 from infmoe_export.runtimes.torch_runner import TorchRunner
 from infmoe_export.verify.validate import validate_onnx
 
-from conftest import TINY, random_model
+from conftest import TINY, genai_generate, random_model
 from test_moe_model import moe_config
 
 # case: (config overrides, dtype, target, with_starts). Together: top_k 1 and 2, both routing
@@ -242,7 +242,7 @@ def test_parity_levels_1_and_2_in_the_kernel_and_on_the_function(exports, tmp_pa
 
 
 def test_the_folder_runs_in_onnxruntime_genai_and_optimum(exports, tmp_path):
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     optimum_ort = pytest.importorskip("optimum.onnxruntime")
     from infmoe_export.export.hf_folder import MODEL_FILE, write_hf_folder
 
@@ -254,14 +254,7 @@ def test_the_folder_runs_in_onnxruntime_genai_and_optimum(exports, tmp_path):
     prompt, new = list(b"def f(x):"), 8
     with OrtRunner(exported.io, exported) as runner:
         want = generate(runner, prompt, new)
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, do_sample=False, batch_size=1)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    assert [int(t) for t in generator.get_sequence(0)][len(prompt):] == want
+    assert genai_generate(folder, [prompt], new) == [want]
     optimum = optimum_ort.ORTModelForCausalLM.from_pretrained(folder)
     ids = torch.tensor([prompt])
     assert optimum.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,

@@ -54,6 +54,21 @@ def half_feeds(feeds):
     return {n: v.astype(np.float16) if n.startswith("past_") else v for n, v in feeds.items()}
 
 
+def run_in_place(sess, feeds, buffers):
+    """y of one run with the past and present of each of key and value bound to one buffer
+    (SharedCache's binding): the new keys and values are written into buffers."""
+    binding = sess.io_binding()
+    binding.bind_output("y")  # get_outputs() lists y first
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    for name, buffer in zip(("key", "value"), buffers):
+        value = ort.OrtValue.ortvalue_from_numpy(buffer)
+        binding.bind_ortvalue_input(f"past_{name}", value)
+        binding.bind_ortvalue_output(f"present_{name}", value)
+    sess.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy()
+
+
 def assert_matches(outputs, expected, tolerance=1e-5):
     y, key, value = outputs
     assert y.shape == expected[0].shape and key.shape == expected[1].shape
@@ -129,16 +144,7 @@ def test_attention_in_place_on_a_shared_buffer(library, sequence, threads, half)
     buffers = [feeds.pop("past_key"), feeds.pop("past_value")]
     before = [b.copy() for b in buffers]
     sess = session(attention_model(heads, kv_cache="float16").SerializeToString() if half else model(heads), threads)
-    binding = sess.io_binding()
-    binding.bind_output("y")  # get_outputs() lists y first
-    for name, value in feeds.items():
-        binding.bind_cpu_input(name, value)
-    for name, buffer in zip(("key", "value"), buffers):
-        value = ort.OrtValue.ortvalue_from_numpy(buffer)
-        binding.bind_ortvalue_input(f"past_{name}", value)
-        binding.bind_ortvalue_output(f"present_{name}", value)
-    sess.run_with_iobinding(binding)
-    assert relative_error(binding.get_outputs()[0].numpy(), expected[0]) <= 1e-5, f"seed {SEED}"
+    assert relative_error(run_in_place(sess, feeds, buffers), expected[0]) <= 1e-5, f"seed {SEED}"
     for b, length in enumerate(lengths):  # written: the new positions; everything else as it was
         for buffer, old, new in zip(buffers, before, expected[1:]):
             assert np.array_equal(buffer[b, :, :length], new[b, :, :length]), f"seed {SEED}"

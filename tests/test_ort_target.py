@@ -32,7 +32,7 @@ from infmoe_export.runtimes import ort_kernel  # noqa: E402
 from infmoe_export.runtimes.ort_kernel import custom_op_library, register  # noqa: E402
 from infmoe_export.verify.validate import validate_onnx  # noqa: E402
 
-from conftest import TINY, random_model  # noqa: E402
+from conftest import TINY, genai_generate, random_model  # noqa: E402
 
 # head_dim 8: GroupQueryAttention's smallest; V 256 for the clients' byte tokenizer.
 CONFIG = InfMoEConfig(**{**TINY, "d_model": 16, "n_head": 2, "vocab_size": 256, "n_positions": 32})
@@ -448,42 +448,32 @@ def reference_tokens(exports):
         return [generate(runner, list(p), NEW) for p in PROMPTS]
 
 
-def _genai_tokens(og, folder):
+def _genai_tokens(folder):
     """onnxruntime-genai's greedy tokens for each prompt alone."""
-    tokens = []
-    for prompt in PROMPTS:
-        model = og.Model(str(folder))
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + NEW, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens([list(prompt)])
-        while not generator.is_done():
-            generator.generate_next_token()
-        tokens.append([int(t) for t in generator.get_sequence(0)][len(prompt):])
-    return tokens
+    return [genai_generate(folder, [prompt], NEW)[0] for prompt in PROMPTS]
 
 
 def test_genai_with_the_shared_buffer(exports, reference_tokens):
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     folder = exports["onnxruntime"].path.parent
     search = json.loads((folder / "genai_config.json").read_text())["search"]
     assert search["past_present_share_buffer"] is True
     portable = json.loads((exports["portable"].path.parent / "genai_config.json").read_text())["search"]
     assert portable["past_present_share_buffer"] is False
-    assert _genai_tokens(og, folder) == reference_tokens
+    assert _genai_tokens(folder) == reference_tokens
 
 
 def test_genai_runs_the_all_int4_onnxruntime_target(model, tmp_path):
     """QMatMul's function (MatMulNBits) lets onnxruntime-genai run the int4 attention and LM head
     without our library, on the shared buffer: the tokens of our runner without the kernel."""
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     exported = export_onnx(model, tmp_path / "model.onnx", k=2, dtype="int4", quantize_other="int4", block_size=16,
                            target="onnxruntime")
     write_hf_folder(tmp_path, exported)
     assert _ops(exported.path)[("infmoe", "QMatMul")] == 2 * CONFIG.n_layer + 1
     with OrtRunner(exported.io, exported, kernel=False) as runner:
         expected = [generate(runner, list(p), NEW) for p in PROMPTS]
-    assert _genai_tokens(og, tmp_path) == expected
+    assert _genai_tokens(tmp_path) == expected
 
 
 def test_optimum_on_the_onnxruntime_target(exports, reference_tokens):
