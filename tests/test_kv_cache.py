@@ -29,7 +29,7 @@ from infmoe_export.export.function import attention_model
 from infmoe_export.export.ort_target import decoder_attention
 from infmoe_export.model import InfMoEConfig
 from infmoe_export.options import export_choices
-from infmoe_export.runtimes import ort_kernel
+from infmoe_export.runtimes import ort_kernel, registry
 from infmoe_export.runtimes.generate import generate
 from infmoe_export.runtimes.ort import OrtRunner, SharedCache, create_session
 from infmoe_export.serving import config as cfg
@@ -287,6 +287,20 @@ def test_other_commands_pass_the_flag_and_refuse_it_beside_a_model(exports, tmp_
     assert code == 1 and "not --for portable" in err and not (tmp_path / "parity").exists()
     code, _, err = run_cli("bench", "--model", exports["float16"].path, "--kv-cache", "float16")
     assert code == 1 and "cannot be combined with --model" in err
+
+
+def test_a_folder_with_both_caches_of_one_precision_is_refused_naming_them(exports, tmp_path):
+    """`--model FOLDER` (parity, bench): a report has one row per precision and K, so a float32-
+    and a float16-cache model of one precision and K are refused in one line naming both."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for kv, exported in exports.items():
+        (folder / f"{kv}.onnx").write_bytes(exported.path.read_bytes())
+    with pytest.raises(InfMoEError, match=r"two fp32 models for K=2 \(quantile noise\): .*float16.onnx "
+                                          r"\(onnxruntime fp32 kv16\) and .*float32.onnx \(onnxruntime fp32\); a "
+                                          r"report has one row per precision and K: compare them in separate runs"):
+        registry.find_models([folder])
+    assert [m.io.label for m in registry.find_models([folder / "float16.onnx"])] == ["onnxruntime fp32 kv16"]
 
 
 def test_parity_judges_a_float16_cache_at_both_levels(model, tmp_path, run_cli):

@@ -55,7 +55,8 @@ def find_models(paths: Sequence, ks: Optional[Sequence[int]] = None) -> List[Exp
         key = (model.io.dtype, model.noise, model.k)
         if key in models:
             raise InfMoEError(f"two {model.io.dtype} models for K={model.k} ({model.noise} noise): "
-                              f"{models[key].path} and {model.path}")
+                              f"{models[key].path} ({models[key].io.label}) and {model.path} ({model.io.label}); a "
+                              "report has one row per precision and K: compare them in separate runs")
         models[key] = model
     chosen = [models[key] for key in sorted(models) if ks is None or key[2] in ks]
     if ks is not None:
