@@ -771,19 +771,22 @@ def test_engine_matches_the_reference(tiny_model, plugin_export, tmp_path, jit):
     path = build.build_engines({(2, "fp32"): plugin_export}, tmp_path, timing_cache=tmp_path / "t.cache",
                                max_batch=2, max_seq=16, jit=jit)
     assert manifest.read_manifest(path)["engines"][0]["plugin"] == ("jit" if jit else "aot")
-    io = plugin_export.io
-    feed = io.dummy_inputs(batch=2, sequence=6, past_sequence=0)
     with runner.TrtRunner.from_engines(tmp_path, 2) as trt_runner:
-        outputs = trt_runner.infer(feed)
-        with torch.no_grad():
-            ref = tiny_model(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=2)
-        keep = feed["attention_mask"].astype(bool)  # padded positions are garbage by construction
-        np.testing.assert_allclose(outputs["logits"][keep], ref.logits.numpy()[keep], rtol=1e-3, atol=1e-3)
-        # One decode step on the engine's decode profile, from the prefill cache.
-        past = [outputs[name.replace("past_key_values", "present")] for name in io.past_names]
-        mask = np.concatenate([feed["attention_mask"], np.ones((2, 1), dtype=np.int64)], axis=1)
-        step = trt_runner.infer(io.feed(feed["input_ids"][:, -1:], mask, past))
-        with torch.no_grad():
-            ref_step = tiny_model(torch.from_numpy(feed["input_ids"][:, -1:]), torch.from_numpy(mask),
-                                  ref.present, k=2)
-        np.testing.assert_allclose(step["logits"], ref_step.logits.numpy(), rtol=1e-3, atol=1e-3)
+        check_prefill_and_step(trt_runner, plugin_export.io, tiny_model)
+
+
+def check_prefill_and_step(trt_runner, io, reference):
+    """An engine's prefill of a batch of 2, then one decode step on its decode profile from the
+    prefill's cache, against the PyTorch reference at K = 2 within 1e-3."""
+    feed = io.dummy_inputs(batch=2, sequence=6, past_sequence=0)
+    outputs = trt_runner.infer(feed)
+    with torch.no_grad():
+        ref = reference(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=2)
+    keep = feed["attention_mask"].astype(bool)  # padded positions are garbage by construction
+    np.testing.assert_allclose(outputs["logits"][keep], ref.logits.numpy()[keep], rtol=1e-3, atol=1e-3)
+    past = [outputs[name.replace("past_key_values", "present")] for name in io.past_names]
+    mask = np.concatenate([feed["attention_mask"], np.ones((2, 1), dtype=np.int64)], axis=1)
+    step = trt_runner.infer(io.feed(feed["input_ids"][:, -1:], mask, past))
+    with torch.no_grad():
+        ref_step = reference(torch.from_numpy(feed["input_ids"][:, -1:]), torch.from_numpy(mask), ref.present, k=2)
+    np.testing.assert_allclose(step["logits"], ref_step.logits.numpy(), rtol=1e-3, atol=1e-3)

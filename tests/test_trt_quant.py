@@ -17,7 +17,8 @@ import onnx
 import pytest
 import torch
 # The tiny config, the stand-ins for tensorrt and the fake engine folder of the float tests.
-from test_tensorrt import TINY, needs_tensorrt, run_aot, stub_plugin, write_fake_build  # noqa: F401
+from test_tensorrt import (TINY, check_prefill_and_step, needs_tensorrt, run_aot, stub_plugin,  # noqa: F401
+                           write_fake_build)
 
 from infmoe_export.contract import ExportedModel
 from infmoe_export.errors import InfMoEError
@@ -411,22 +412,9 @@ def test_quantized_engines_match_the_level1_reference(q_model, q_exports, tmp_pa
     models = {(2, dtype): exported for dtype, exported in q_exports.items()}
     build.build_engines(models, tmp_path, timing_cache=tmp_path / "t.cache", max_batch=2, max_seq=16, jit=jit)
     for dtype, exported in q_exports.items():
-        io = exported.io
-        reference = dequantized_model(q_model, io.bits, io.block_size)
-        feed = io.dummy_inputs(batch=2, sequence=6, past_sequence=0)
+        reference = dequantized_model(q_model, exported.io.bits, exported.io.block_size)
         with runner.TrtRunner.from_engines(tmp_path, 2, dtype) as trt_runner:
-            outputs = trt_runner.infer(feed)
-            with torch.no_grad():
-                ref = reference(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]), k=2)
-            keep = feed["attention_mask"].astype(bool)  # padded positions are garbage by construction
-            np.testing.assert_allclose(outputs["logits"][keep], ref.logits.numpy()[keep], rtol=1e-3, atol=1e-3)
-            past = [outputs[name.replace("past_key_values", "present")] for name in io.past_names]
-            mask = np.concatenate([feed["attention_mask"], np.ones((2, 1), dtype=np.int64)], axis=1)
-            step = trt_runner.infer(io.feed(feed["input_ids"][:, -1:], mask, past))
-            with torch.no_grad():
-                ref_step = reference(torch.from_numpy(feed["input_ids"][:, -1:]), torch.from_numpy(mask),
-                                     ref.present, k=2)
-            np.testing.assert_allclose(step["logits"], ref_step.logits.numpy(), rtol=1e-3, atol=1e-3)
+            check_prefill_and_step(trt_runner, exported.io, reference)
 
 
 def test_trt_exports_every_k_and_precision_for_tensorrt(make_checkpoint, tmp_path, monkeypatch, run_cli):
