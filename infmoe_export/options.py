@@ -223,9 +223,10 @@ CHOICES_TABLE = "\n".join([
     "portable     any         standard ops and the expert op; int8 / int4: DequantizeLinear too",
     "",
     "The router, LayerNorms and biases stay float32 in every precision; --quantize-other none makes",
-    "int8 / int4 the experts only; --kv-cache float16 (onnxruntime) halves the KV cache's bytes. Decode",
-    "is bound by the bytes read; measured speed per choice: python -m benchmarks.quant_model, its",
-    "results in benchmarks/results/quant_model.json.",
+    "int8 / int4 the experts only. onnxruntime int4 multiplies int8 activations (integer dot products)",
+    "and keeps a float16 KV cache, half its bytes (--activations float --kv-cache float32: SPEC §6's",
+    "float path). Decode is bound by the bytes read; measured speed per choice: python -m",
+    "benchmarks.quant_model, its results in benchmarks/results/quant_model.json.",
 ])
 
 
