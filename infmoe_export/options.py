@@ -197,7 +197,7 @@ QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the
 
 ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices multiply: int8 (integer dot products, "
                     "judged by the accuracy budget; the default for int4) or float (SPEC §6's exact float32 path; "
-                    "the default for int8, whose prefill it keeps faster). A session's infmoe.activations option "
+                    "the default for int8, whose batch-1 decode it keeps faster). A session's infmoe.activations option "
                     "overrides it.")
 
 

@@ -20,15 +20,6 @@ namespace {
 constexpr int64_t kGroup = 32;
   // activation columns per scale: one AVX2 register of int8
 
-// AVX512-VNNI (the avx512 variant): vpdpbusd adds four unsigned-by-signed byte products into
-// each 32-bit lane in one instruction, where AVX2 takes vpmaddubsw (16-bit pair sums) and
-// vpmaddwd. The same exact integer sums either way.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kVnni = true;
-#else
-constexpr bool kVnni = false;
-#endif
-
 // A token's activations for the integer dots: per group, the 32 int8 values and scale / zero
 // groups past d. int8 rows read a group's values in column order; int4 rows read them as a row's
 // nibbles unpack, pairs of groups at a time: per pair (2 p, 2 p + 1) 64 bytes, the even columns
@@ -159,82 +150,23 @@ struct QuantizedTokens {
   }
 };
 
-#if defined(__AVX2__)
-// An int8 row's group of 32 q against a token's 32 int8 activations, as eight int32 partial sums:
-// vpmaddubsw takes |q| (unsigned) against the activations carrying q's sign, so no pair sum
-// exceeds 2 x 128 x 127 < 2^15 for any stored byte (q = byte - 128, the sign flip of bit 7).
-inline __m256i SignedQ8(const uint8_t* src) {
-  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
-                          _mm256_set1_epi8(static_cast<char>(0x80)));
-}
-
-inline __m256i DotGroup8(__m256i q_abs, __m256i q, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
-}
-
-// The stored bytes u = q + 128 (unsigned) against x: eight partial sums of u . x.
-inline __m256i DotGroup8Vnni(__m256i u, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-#else
-  return DotGroup8(u, u, x);  // not taken (kVnni is false)
-#endif
-}
-#endif
-
 // Bytes of one group of a row (32 columns).
 template <int Bits>
 constexpr int64_t kGroupBytes = kGroup * Bits / 8;
 
-// dots[t ldd + j] = token ids[t] . row lo + j for Tt tokens and Jr rows, rows read through `w`
-// (whole groups: each row at least groups * kGroupBytes bytes, its padding q = 0).
-// per_block: groups per block of a row's scales (block_size / 32).
-template <int Tt, int Jr, int Bits, typename T>
-void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<Bits, T>& w, int64_t per_block, int64_t lo,
-                 float* dots, int64_t ldd) {
-  const int64_t groups = x.groups;
-#if defined(__AVX2__)
-  if constexpr (Bits == 8) {  // int4 rows take the tiles below
-    __m256 acc[Tt][Jr];
-    for (int t = 0; t < Tt; ++t)
-      for (int j = 0; j < Jr; ++j) acc[t][j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i xg[Tt], above[Tt];
-      for (int t = 0; t < Tt; ++t) {
-        xg[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.Group(ids[t], g)));
-        // VNNI takes the stored bytes q + 128 unsigned: each lane 128 x the sum of its own four
-        // qx more, subtracted lane by lane so that every lane holds what vpmaddubsw's does (the
-        // same float steps after it: the same bits as the AVX2 code).
-        if constexpr (kVnni) above[t] = DotGroup8Vnni(_mm256_set1_epi8(static_cast<char>(0x80)), xg[t]);
-      }
-      for (int j = 0; j < Jr; ++j) {
-        const auto row = w.At(lo + j);
-        const uint8_t* stored = row.q + g * kGroupBytes<Bits>;
-        const __m256i q = kVnni ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored)) : SignedQ8(stored);
-        const __m256i q_abs = kVnni ? q : _mm256_abs_epi8(q);
-        const float ws = ToFloat(row.scale[g / per_block]);
-        for (int t = 0; t < Tt; ++t) {
-          const __m256i sum = kVnni ? _mm256_sub_epi32(DotGroup8Vnni(q, xg[t]), above[t]) : DotGroup8(q_abs, q, xg[t]);
-          const __m256 s = _mm256_set1_ps(ws * x.Scale(ids[t], g));
-          acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][j]);
-        }
-      }
-    }
-    for (int t = 0; t < Tt; ++t)
-      for (int j = 0; j < Jr; ++j) {
-        Lanes<8> v;
-        std::memcpy(&v, &acc[t][j], sizeof v);
-        dots[t * ldd + j] = SumLanes<8>(v);
-      }
-    return;
-  }
-#endif
-  for (int t = 0; t < Tt; ++t) {
-    for (int j = 0; j < Jr; ++j) {
-      const auto row = w.At(lo + j);
+// dots[t ldd + j] = token ids[t] . row lo + j for t < tokens, j < rows, in plain C++ (the variants
+// without AVX2): per group the exact integer sum, scaled by the weight block's scale times the
+// group's and added in group order. Rows are read in whole groups (each row at least
+// groups * kGroupBytes bytes, its padding q = 0); per_block: groups per block of a row's scales.
+template <int Bits, typename T>
+void PortableIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
+                     int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const auto row = w.At(lo + j);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int8_t* qx = x.Values(ids[t]);
       float acc = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* qx = x.Values(ids[t]);
+      for (int64_t g = 0; g < x.groups; ++g) {
         const uint8_t* src = row.q + g * kGroupBytes<Bits>;
         int32_t sum = 0;
         for (int64_t c = 0; c < kGroup; ++c) {
@@ -249,13 +181,13 @@ void IntDotBlock(const QuantizedTokens& x, const int64_t* ids, const QuantRows<B
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int kInt4TileRows = 16;
-constexpr int kInt4TileTokens = 8;  // acc and p per token, beside the weights: within 32 registers
+constexpr int kIntTileRows = 16;
+constexpr int kIntTileTokens = 8;  // acc and p per token, beside the weights: within 32 registers
 #else
-constexpr int kInt4TileRows = 8;
-constexpr int kInt4TileTokens = 4;  // p and acc per token, beside the weights: within 16 registers
+constexpr int kIntTileRows = 8;
+constexpr int kIntTileTokens = 4;  // p and acc per token, beside the weights: within 16 registers
 #endif
-constexpr int64_t kInt4TileBytes = 8 * 4 * kInt4TileRows;  // a tile's group: 8 steps of 4 bytes a row
+constexpr int64_t kIntTileBytes = 8 * 4 * kIntTileRows;  // a tile's group: 8 steps of 4 bytes a row
 
 #if defined(__AVX2__)
 // int4 rows on AVX2 eight at a time, row l in lane l (as llama.cpp's repacked q4_0 GEMM lays them
@@ -274,7 +206,11 @@ constexpr int64_t kInt4TileBytes = 8 * 4 * kInt4TileRows;  // a tile's group: 8 
 // 8 i + 6: QuantizedTokens' int4 slots 4 i .. 4 i + 3), steps[4 + i] their high nibbles (the odd
 // columns after them: slots 16 + 4 i ..); step i at steps + i stride (a 16-row tile: two 8-row
 // halves side by side, 64 bytes a step).
-inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps, int64_t stride) {
+template <int Bits>
+inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps, int64_t stride);
+
+template <>
+inline void TileGroup<4>(const uint8_t* const* row, int64_t g, uint8_t* steps, int64_t stride) {
   const int64_t at = g * kGroupBytes<4>;
   const auto rows = [&](int l) {  // rows l and l + 4, one a half
     return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row[l + 4] + at),
@@ -293,62 +229,107 @@ inline void TileGroup(const uint8_t* const* row, int64_t g, uint8_t* steps, int6
   }
 }
 
-// out[kInt4TileRows t + l] = token ids[t] . tile row l, t < Tt; steps: the tile's groups
-// (TileGroup, kInt4TileBytes each), scales: its rows' block scales [block][kInt4TileRows].
+// Group g (bytes 32 g .. 32 g + 31) of 8 int8 rows as stored (u = q + 128, vpdpbusd's unsigned
+// operand): steps[i] (i < 8), lane l, holds row l's bytes 4 i .. 4 i + 3 (columns 4 i ..: the
+// token's int8 slots in column order). An 8 x 8 transpose of dwords in registers.
+template <>
+inline void TileGroup<8>(const uint8_t* const* row, int64_t g, uint8_t* steps, int64_t stride) {
+  const int64_t at = g * kGroupBytes<8>;
+  __m256i r[8], t[8];
+  for (int l = 0; l < 8; ++l) r[l] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[l] + at));
+  for (int l = 0; l < 8; l += 2) t[l] = _mm256_unpacklo_epi32(r[l], r[l + 1]), t[l + 1] = _mm256_unpackhi_epi32(r[l], r[l + 1]);
+  for (int l = 0; l < 8; l += 4) {  // r[l + i]: dwords i (low half) and 4 + i (high) of rows l .. l + 3
+    r[l] = _mm256_unpacklo_epi64(t[l], t[l + 2]), r[l + 1] = _mm256_unpackhi_epi64(t[l], t[l + 2]);
+    r[l + 2] = _mm256_unpacklo_epi64(t[l + 1], t[l + 3]), r[l + 3] = _mm256_unpackhi_epi64(t[l + 1], t[l + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + stride * i), _mm256_permute2x128_si256(r[i], r[4 + i], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + stride * (4 + i)),
+                        _mm256_permute2x128_si256(r[i], r[4 + i], 0x31));
+  }
+}
+
+// Where step i (4 columns of each row) finds a token's 4 int8 activations, from x.Values(t) of
+// group g: int4's even columns then odd ones (QuantizedTokens::Slot), int8's in column order.
+template <int Bits>
+inline const int8_t* StepActivations(const QuantizedTokens& x, int64_t t, int64_t g, int i) {
+  if constexpr (Bits == 4) return x.Even(t, g) + (i < 4 ? 4 * i : kGroup + 4 * (i - 4));
+  return x.Group(t, g) + 4 * i;
+}
+// The stored offset's multiple of a group's sum of qx: nibbles u = q + 8, bytes u = q + 128
+// (QuantizedTokens keeps 8 times the sum).
+template <int Bits>
+constexpr int kOffsetTimes = Bits == 4 ? 1 : 16;
+
+// out[kIntTileRows t + l] = token ids[t] . tile row l, t < Tt; steps: the tile's groups
+// (TileGroup, kIntTileBytes each), scales: its rows' block scales [block][kIntTileRows].
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-template <int Tt>
+template <int Tt, int Bits>
 void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps, const float* scales,
               int64_t per_block, float* out) {
   __m512 acc[Tt];
   for (int t = 0; t < Tt; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     __m512i p[Tt];
-    const int8_t* qx[Tt];
-    for (int t = 0; t < Tt; ++t) p[t] = _mm512_setzero_si512(), qx[t] = x.Even(ids[t], g);
+    for (int t = 0; t < Tt; ++t) p[t] = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i) {
-      const __m512i w = _mm512_loadu_si512(steps + kInt4TileBytes * g + 64 * i);
+      const __m512i w = _mm512_loadu_si512(steps + kIntTileBytes * g + 64 * i);
       for (int t = 0; t < Tt; ++t) {
-        int32_t four;  // even columns' slots 4 i .. (i < 4), then the odd ones'
-        std::memcpy(&four, qx[t] + (i < 4 ? 4 * i : kGroup + 4 * (i - 4)), sizeof four);
+        int32_t four;
+        std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
         p[t] = _mm512_dpbusd_epi32(p[t], w, _mm512_set1_epi32(four));
       }
     }
-    const __m512 ws = _mm512_loadu_ps(scales + g / per_block * kInt4TileRows);
+    const __m512 ws = _mm512_loadu_ps(scales + g / per_block * kIntTileRows);
     for (int t = 0; t < Tt; ++t) {
       const int64_t at = ids[t] * x.lanes + g;
-      const __m512i sum = _mm512_sub_epi32(p[t], _mm512_set1_epi32(x.offset[at]));
+      const __m512i sum = _mm512_sub_epi32(p[t], _mm512_set1_epi32(kOffsetTimes<Bits> * x.offset[at]));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at])), acc[t]);
     }
   }
-  for (int t = 0; t < Tt; ++t) _mm512_storeu_ps(out + kInt4TileRows * t, acc[t]);
+  for (int t = 0; t < Tt; ++t) _mm512_storeu_ps(out + kIntTileRows * t, acc[t]);
 }
 #else
-template <int Tt>
+template <int Tt, int Bits>
 void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps, const float* scales,
               int64_t per_block, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[Tt];
   for (int t = 0; t < Tt; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
-    __m256i p[Tt];
-    const int8_t* qx[Tt];
-    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), qx[t] = x.Even(ids[t], g);
+    __m256i p[Tt];  // int4: 16-bit pair sums; int8: 32-bit sums
+    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + kInt4TileBytes * g + 32 * i));
-      for (int t = 0; t < Tt; ++t) {
-        int32_t four;  // even columns' slots 4 i .. (i < 4), then the odd ones'
-        std::memcpy(&four, qx[t] + (i < 4 ? 4 * i : kGroup + 4 * (i - 4)), sizeof four);
-        p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + kIntTileBytes * g + 32 * i));
+      if constexpr (Bits == 4) {
+        for (int t = 0; t < Tt; ++t) {
+          int32_t four;
+          std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
+          p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+        }
+      } else {
+        // Stored bytes u = q + 128 times 127 overflow vpmaddubsw's 16-bit pair sums: |q| against
+        // the activations carrying q's sign (at most 2 x 127 x 127), widened every step.
+        const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+        const __m256i q_abs = _mm256_abs_epi8(q);
+        for (int t = 0; t < Tt; ++t) {
+          int32_t four;
+          std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
+          const __m256i pairs = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(_mm256_set1_epi32(four), q));
+          p[t] = _mm256_add_epi32(p[t], _mm256_madd_epi16(pairs, ones));
+        }
       }
     }
-    const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kInt4TileRows);
+    const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kIntTileRows);
     for (int t = 0; t < Tt; ++t) {
       const int64_t at = ids[t] * x.lanes + g;
-      const __m256i sum = _mm256_sub_epi32(_mm256_madd_epi16(p[t], ones), _mm256_set1_epi32(x.offset[at]));
+      // The exact sums q . qx, as vpdpbusd's less their offset (int8's here carry none).
+      const __m256i sum =
+          Bits == 4 ? _mm256_sub_epi32(_mm256_madd_epi16(p[t], ones), _mm256_set1_epi32(x.offset[at])) : p[t];
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
     }
   }
-  for (int t = 0; t < Tt; ++t) _mm256_storeu_ps(out + kInt4TileRows * t, acc[t]);
+  for (int t = 0; t < Tt; ++t) _mm256_storeu_ps(out + kIntTileRows * t, acc[t]);
 }
 #endif
 
@@ -388,39 +369,39 @@ template <int Bits, typename T>
   for (int64_t i = 0; i < n * w.blocks * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(scale + i, 0, 2);
 }
 
-// IntDots of int4 rows: tile by tile, its groups transposed once for all the tokens. The next
-// tile's rows are fetched while this tile's dots run: read from memory as the transposition reads
-// them (16 bytes of each of 16 rows at a time, too scattered for the hardware prefetchers), they
-// stalled it for about as long as the dots of 16 tokens take.
-template <typename T>
-void TiledInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<4, T>& w,
-                   int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kDots = CountTable<kInt4TileTokens>([](auto n) { return &TileDots<decltype(n)::value>; });
+// IntDots of int4 and int8 rows: tile by tile, its groups transposed once for
+// all the tokens. The next tile's rows are fetched while this tile's dots run: read from memory as
+// the transposition reads them (16 or 32 bytes of each of 16 rows at a time, too scattered for the
+// hardware prefetchers), they stalled it for about as long as the dots of 16 tokens take.
+template <int Bits, typename T>
+void TiledDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
+               int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
+  static constexpr auto kDots = CountTable<kIntTileTokens>([](auto n) { return &TileDots<decltype(n)::value, Bits>; });
   thread_local std::vector<uint8_t> steps;
   thread_local std::vector<float> scales;
-  steps.resize(x.groups * kInt4TileBytes);
-  scales.resize(w.blocks * kInt4TileRows);
-  constexpr int64_t kStep = 4 * kInt4TileRows;  // bytes of one step of a tile's group
-  for (int64_t j = 0; j < rows; j += kInt4TileRows) {
-    const int64_t n = std::min<int64_t>(kInt4TileRows, rows - j);
-    const uint8_t* row[kInt4TileRows];
-    const T* scale[kInt4TileRows];
-    for (int l = 0; l < kInt4TileRows; ++l) {  // a partial tile repeats its last row in the spare lanes
+  steps.resize(x.groups * kIntTileBytes);
+  scales.resize(w.blocks * kIntTileRows);
+  constexpr int64_t kStep = 4 * kIntTileRows;  // bytes of one step of a tile's group
+  for (int64_t j = 0; j < rows; j += kIntTileRows) {
+    const int64_t n = std::min<int64_t>(kIntTileRows, rows - j);
+    const uint8_t* row[kIntTileRows];
+    const T* scale[kIntTileRows];
+    for (int l = 0; l < kIntTileRows; ++l) {  // a partial tile repeats its last row in the spare lanes
       const auto r = w.At(lo + j + std::min<int64_t>(l, n - 1));
       row[l] = r.q, scale[l] = r.scale;
     }
-    for (int half = 0; half < kInt4TileRows; half += 8) {  // 8 rows a pass: lanes half .. half + 7
-      TileScales(scale + half, w.blocks, scales.data() + half, kInt4TileRows);
-      for (int64_t g = 0; g < x.groups; ++g) TileGroup(row + half, g, steps.data() + kInt4TileBytes * g + 4 * half, kStep);
+    for (int half = 0; half < kIntTileRows; half += 8) {  // 8 rows a pass: lanes half .. half + 7
+      TileScales(scale + half, w.blocks, scales.data() + half, kIntTileRows);
+      for (int64_t g = 0; g < x.groups; ++g) TileGroup<Bits>(row + half, g, steps.data() + kIntTileBytes * g + 4 * half, kStep);
     }
-    if (const int64_t next = std::min<int64_t>(kInt4TileRows, rows - j - kInt4TileRows); next > 0)
-      PrefetchRows(w, lo + j + kInt4TileRows, next);
-    for (int64_t t = 0; t < tokens; t += kInt4TileTokens) {
-      const int64_t tt = std::min<int64_t>(kInt4TileTokens, tokens - t);
-      float lanes[kInt4TileTokens * kInt4TileRows];
+    if (const int64_t next = std::min<int64_t>(kIntTileRows, rows - j - kIntTileRows); next > 0)
+      PrefetchRows(w, lo + j + kIntTileRows, next);
+    for (int64_t t = 0; t < tokens; t += kIntTileTokens) {
+      const int64_t tt = std::min<int64_t>(kIntTileTokens, tokens - t);
+      float lanes[kIntTileTokens * kIntTileRows];
       kDots[tt - 1](x, ids + t, steps.data(), scales.data(), per_block, lanes);
       for (int64_t k = 0; k < tt; ++k)
-        std::memcpy(dots + (t + k) * ldd + j, lanes + kInt4TileRows * k, n * sizeof(float));
+        std::memcpy(dots + (t + k) * ldd + j, lanes + kIntTileRows * k, n * sizeof(float));
     }
   }
 }
@@ -540,43 +521,20 @@ void RowInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, c
 }
 #endif
 
-// The register blocks of IntDotBlock, tokens x rows: on AVX2 (int8 rows) 2 x 4 accumulators
-// beside the tokens' 16-bit activations (two registers a token), within 16 registers.
-constexpr int kIntTokens = 2;
-constexpr int kIntRows = 4;
-
-template <int Bits, typename T, size_t... I>
-constexpr auto IntDotTable(std::index_sequence<I...>) {
-  using Fn = void (*)(const QuantizedTokens&, const int64_t*, const QuantRows<Bits, T>&, int64_t, int64_t, float*, int64_t);
-  return std::array<Fn, sizeof...(I)>{&IntDotBlock<static_cast<int>(I / kIntRows) + 1,
-                                                   static_cast<int>(I % kIntRows) + 1, Bits, T>...};
-}
-
-// IntDots in register blocks of IntDotBlock.
-template <int Bits, typename T>
-void BlockedIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
-                    int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kBlocks = IntDotTable<Bits, T>(std::make_index_sequence<kIntTokens * kIntRows>());
-  for (int64_t t = 0; t < tokens; t += kIntTokens) {
-    const int64_t tt = std::min<int64_t>(kIntTokens, tokens - t);
-    for (int64_t j = 0; j < rows; j += kIntRows) {
-      const int64_t jr = std::min<int64_t>(kIntRows, rows - j);
-      kBlocks[(tt - 1) * kIntRows + (jr - 1)](x, ids + t, w, per_block, lo + j, dots + t * ldd + j, ldd);
-    }
-  }
-}
-
 // dots[t ldd + j] = token ids[t] . row lo + j for t < tokens, j < rows; block_size a multiple of 32.
 template <int Bits, typename T>
 void IntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
              int64_t block_size, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
 #if defined(__AVX2__)
+  // int8 rows take the tiles at any number of tokens: at one token as fast as register blocks of
+  // rows read as stored were, at 2 to 4 tokens faster.
   if constexpr (Bits == 4) {
     if (tokens <= kInt4RowsUpTo) return RowInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
-    return TiledInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
   }
+  return TiledDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
+#else
+  PortableIntDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
 #endif
-  BlockedIntDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
 }
 
 }  // namespace

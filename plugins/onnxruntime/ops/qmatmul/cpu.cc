@@ -73,8 +73,8 @@ void BatchedMatMul(const MatMulSizes& s, const T* x, const Format& w, T* y, cons
 
 // int8 activations on the integer dots: per work item a range of rows, every token's dots. As
 // many rows as decode's chunks (few tokens: a work item's overhead is paid per chunk, not per 32
-// rows), fewer as the tokens grow (the item's dots stay within kIntDotsBytes), whole tiles of int4
-// rows (int8 dots: 8 rows, the register block's multiple).
+// rows), fewer as the tokens grow (the item's dots stay within kIntDotsBytes), whole tiles of rows
+// (a multiple of the register blocks of few tokens' int8 dots too).
 constexpr int64_t kIntDotsBytes = 256 << 10;
 template <int Bits, typename T>
 void IntMatMul(const MatMulSizes& s, const QuantizedTokens& xs, const QuantRows<Bits, T>& w, int64_t block_size, T* y,
@@ -83,7 +83,7 @@ void IntMatMul(const MatMulSizes& s, const QuantizedTokens& xs, const QuantRows<
   std::iota(ids.begin(), ids.end(), 0);
   const int64_t most = std::min({kChunkBytes / w.RowBytes(), (s.n + kMatMulItems - 1) / kMatMulItems,
                                  kIntDotsBytes / (s.tokens * static_cast<int64_t>(sizeof(float)))});
-  const int64_t tile = Bits == 4 ? kInt4TileRows : 8;
+  const int64_t tile = kIntTileRows;
   const int64_t rows = std::clamp<int64_t>(most / tile * tile, tile, kMaxChunkRows);
   parallel_for(static_cast<size_t>((s.n + rows - 1) / rows), [&](size_t item) {
     const int64_t lo = static_cast<int64_t>(item) * rows, hi = std::min(lo + rows, s.n);
