@@ -5,11 +5,10 @@
 // block's scale times the group's. Where compute binds (int4 on AVX2, batches, prefill) this does
 // the work of the float loops in fewer instructions and converts no weight to float.
 // Every (token, row) sum is its own: the same bits for any tokens beside it in a call of the same
-// size and any number of threads. Calls of up to kInt4RowsUpTo tokens and larger ones add a row's
-// groups in different orders (float rounding apart).
+// size and any number of threads. int8 rows take one path at any size (the tiles on AVX2); int4
+// calls of up to kInt4RowsUpTo tokens and larger ones add a row's groups in different orders (float
+// rounding apart).
 #pragma once
-
-#include <array>
 
 #include "common/weight_formats.h"
 
