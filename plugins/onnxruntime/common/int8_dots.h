@@ -300,21 +300,17 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
     for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + kIntTileBytes * g + 32 * i));
-      if constexpr (Bits == 4) {
-        for (int t = 0; t < Tt; ++t) {
-          int32_t four;
-          std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
-          p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
-        }
-      } else {
-        // Stored bytes u = q + 128 times 127 overflow vpmaddubsw's 16-bit pair sums: |q| against
-        // the activations carrying q's sign (at most 2 x 127 x 127), widened every step.
-        const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-        const __m256i q_abs = _mm256_abs_epi8(q);
-        for (int t = 0; t < Tt; ++t) {
-          int32_t four;
-          std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
-          const __m256i pairs = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(_mm256_set1_epi32(four), q));
+      for (int t = 0; t < Tt; ++t) {
+        int32_t four;
+        std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
+        const __m256i qx = _mm256_set1_epi32(four);
+        if constexpr (Bits == 4) {
+          p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, qx));
+        } else {
+          // Stored bytes u = q + 128 times 127 would overflow vpmaddubsw's 16-bit pair sums: |q|
+          // against the activations carrying q's sign (at most 2 x 127 x 127), widened every step.
+          const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(qx, q));
           p[t] = _mm256_add_epi32(p[t], _mm256_madd_epi16(pairs, ones));
         }
       }
