@@ -5,9 +5,8 @@
 // block's scale times the group's. Where compute binds (int4 on AVX2, batches, prefill) this does
 // the work of the float loops in fewer instructions and converts no weight to float.
 // Every (token, row) sum is its own: the same bits for any tokens beside it in a call of the same
-// size and any number of threads. int8 rows take one path at any size (the tiles on AVX2); int4
-// calls of up to kInt4RowsUpTo tokens and larger ones add a row's groups in different orders (float
-// rounding apart).
+// size and any number of threads. Calls of up to kRowsUpTo tokens (rows read as stored) and larger
+// ones (tiles) add a row's groups in different orders (float rounding apart).
 #pragma once
 
 #include "common/weight_formats.h"
@@ -403,23 +402,35 @@ void TiledDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, con
 #endif
 
 #if defined(__AVX2__)
-// int4 rows on AVX2 one at a time, for a few tokens: a row's bytes as stored, two groups a
-// register (one load, a mask and a shift give both groups' even and odd columns, as
-// QuantizedTokens lays out a pair), two vpmaddubsw per token and pair, their 16-bit sums added
-// pairwise by three horizontal adds per 8 groups (exact: at most 30480), one vpmaddwd and one
-// permutation give the 8 group sums in order, less their offsets, and one FMA by the row's scales
-// times the token's. A row streams from memory with loads only; a tile first writes its
-// transposed groups, which pays off only over more tokens.
-constexpr int kInt4RowTokens = 3;  // per token 2 partial sums and acc, beside the weights' 4 registers
+// Rows on AVX2 one at a time, for a few tokens: a row's bytes as stored, 8 groups a chunk, each
+// token's 8 exact group sums brought into one register in group order (a few horizontal adds per
+// chunk), less their offsets, and one FMA by the row's scales times the token's. A row streams
+// from memory with loads only; a tile first writes its transposed groups, which pays off only
+// over more tokens.
+// int4: one load a pair of groups, a mask and a shift give both groups' even and odd columns (as
+// QuantizedTokens lays out a pair), two vpmaddubsw (or vpdpbusd) per token and pair.
+// int8: one load a group; vpdpbusd on the stored bytes u = q + 128 (their offset: 128 times the
+// group's sum of qx), or on AVX2 vpmaddubsw of |q| against the activations carrying q's sign and
+// one vpmaddwd (no offset), as the tiles make them.
+constexpr int kRowTokens = 3;  // per token its partial sums and acc, beside the weights' registers
 // Up to this many tokens rows beat tiles: in a decode step, where the rows come from memory, by
 // a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py).
-constexpr int64_t kInt4RowsUpTo = 4;
+template <int Bits>
+constexpr int64_t kRowsUpTo = Bits == 4 ? 4 : 1;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kRowVnni = true;
+#else
+constexpr bool kRowVnni = false;
+#endif
+// The multiple of QuantizedTokens' offset (8 times a group's sum of qx) that a row's group sums
+// carry: int4's nibbles u = q + 8 once; int8's bytes 16 times through vpdpbusd, none on AVX2.
+template <int Bits>
+constexpr int kRowOffsetTimes = Bits == 4 ? 1 : kRowVnni ? 16 : 0;
 
-// Adds to acc[t] token ids[t]'s dot with groups c .. c + 7 of the row of bytes q, t < Tt; ws: the
-// row's scale per group. kFull: all 8 groups are in the row; else those past x.groups are zeros.
+// sums[t] = token qx[t]'s sums (before offsets) with groups c .. c + 7 of the int4 row of bytes q,
+// lane i group c + i, t < Tt. kFull: all 8 groups are in the row; else those past x.groups are zeros.
 template <int Tt, bool kFull>
-inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const int64_t* ids, const uint8_t* q,
-                     const float* ws, int64_t c, __m256* acc) {
+inline void GroupSums4(const QuantizedTokens& x, const int8_t* const* qx, const uint8_t* q, int64_t c, __m256i* sums) {
   const __m256i mask = _mm256_set1_epi8(15);
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // AVX2 only
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the adds leave g0 g2 g4 g6 | g1 g3 g5 g7
@@ -438,50 +449,113 @@ inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const in
       const int8_t* pair = qx[t] + g * kGroup;
       const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
       const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kGroup));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      // 32-bit sums, 4 a group (lanes 0-3: group g, 4-7: g + 1)
-      const __m256i sums = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), even, xe), odd, xo);
-      if (k % 2 == 0) {
-        first[t] = sums;
+      if constexpr (kRowVnni) {
+        // 32-bit sums, 4 a group (lanes 0-3: group g, 4-7: g + 1)
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), even, xe), odd, xo);
+        if (k % 2 == 0) {
+          first[t] = s;
+        } else {
+          half[t][k / 2] = _mm256_hadd_epi32(first[t], s);  // 2 a group
+        }
       } else {
-        half[t][k / 2] = _mm256_hadd_epi32(first[t], sums);  // 2 a group
+        // 16-bit sums, 8 a group (lanes 0-7: group g, 8-15: g + 1), each of at most 2 x 2 x 15 x 127
+        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
+        if (k % 2 == 0) {
+          first[t] = s;
+        } else {
+          half[t][k / 2] = _mm256_hadd_epi16(first[t], s);  // 4 a group, each at most 15240
+        }
       }
-#else
-      // 16-bit sums, 8 a group (lanes 0-7: group g, 8-15: g + 1), each of at most 2 x 2 x 15 x 127
-      const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
-      if (k % 2 == 0) {
-        first[t] = sums;
-      } else {
-        half[t][k / 2] = _mm256_hadd_epi16(first[t], sums);  // 4 a group, each at most 15240
-      }
-#endif
     }
+  }
+  for (int t = 0; t < Tt; ++t) {
+    __m256i pairs;
+    if constexpr (kRowVnni) {
+      pairs = _mm256_hadd_epi32(half[t][0], half[t][1]);  // one a group
+    } else {
+      // 2 a group (at most 30480: exact in 16 bits), then one a group in 32 bits
+      pairs = _mm256_madd_epi16(_mm256_hadd_epi16(half[t][0], half[t][1]), ones);
+    }
+    sums[t] = _mm256_permutevar8x32_epi32(pairs, in_order);
+  }
+}
+
+// GroupSums4 for int8 rows: per group one register of 8 partial sums a token, paired by
+// horizontal adds as the groups come (2, then 4 groups a register) and the two halves of groups
+// c .. c + 3 and c + 4 .. c + 7 added last.
+template <int Tt, bool kFull>
+inline void GroupSums8(const QuantizedTokens& x, const int8_t* const* qx, const uint8_t* q, int64_t c, __m256i* sums) {
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i pair[Tt], quad[Tt];
+  for (int i = 0; i < 8; ++i) {
+    const int64_t g = c + i;
+    const bool present = kFull || g < x.groups;
+    const __m256i v = present ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes<8>))
+                              : _mm256_setzero_si256();
+    [[maybe_unused]] const __m256i signed_q = _mm256_xor_si256(v, flip), magnitude = _mm256_abs_epi8(signed_q);
+    for (int t = 0; t < Tt; ++t) {
+      __m256i s = _mm256_setzero_si256();
+      if (present) {
+        const __m256i xg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[t] + g * kGroup));
+        if constexpr (kRowVnni) {
+          s = _mm256_dpbusd_epi32(s, v, xg);
+        } else {
+          s = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xg, signed_q)), ones);
+        }
+      }
+      if (i % 2 == 0) {
+        pair[t] = s;
+        continue;
+      }
+      const __m256i two = _mm256_hadd_epi32(pair[t], s);  // g g g' g' | g g g' g'
+      if (i % 4 == 1) {
+        quad[t] = two;
+        continue;
+      }
+      const __m256i four = _mm256_hadd_epi32(quad[t], two);  // c+0 .. c+3 (or c+4 ..), lanes 0-3 | lanes 4-7
+      if (i == 3) {
+        sums[t] = four;
+      } else {
+        sums[t] = _mm256_add_epi32(_mm256_permute2x128_si256(sums[t], four, 0x20),
+                                   _mm256_permute2x128_si256(sums[t], four, 0x31));
+      }
+    }
+  }
+}
+
+// Adds to acc[t] token ids[t]'s dot with groups c .. c + 7 of the row of bytes q, t < Tt; ws: the
+// row's scale per group.
+template <int Bits, int Tt, bool kFull>
+inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const int64_t* ids, const uint8_t* q,
+                     const float* ws, int64_t c, __m256* acc) {
+  __m256i sums[Tt];
+  if constexpr (Bits == 4) {
+    GroupSums4<Tt, kFull>(x, qx, q, c, sums);
+  } else {
+    GroupSums8<Tt, kFull>(x, qx, q, c, sums);
   }
   const __m256 w = _mm256_loadu_ps(ws + c);
   for (int t = 0; t < Tt; ++t) {
     const int64_t at = ids[t] * x.lanes + c;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i pairs = _mm256_hadd_epi32(half[t][0], half[t][1]);  // one a group
-#else
-    // 2 a group (at most 30480: exact in 16 bits), then one a group in 32 bits
-    const __m256i pairs = _mm256_madd_epi16(_mm256_hadd_epi16(half[t][0], half[t][1]), ones);
-#endif
-    const __m256i sums = _mm256_permutevar8x32_epi32(pairs, in_order);
-    const __m256i exact = _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.offset[at])));
+    __m256i exact = sums[t];
+    if constexpr (kRowOffsetTimes<Bits> != 0) {
+      const __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.offset[at]));
+      exact = _mm256_sub_epi32(exact, _mm256_mullo_epi32(offset, _mm256_set1_epi32(kRowOffsetTimes<Bits>)));
+    }
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(w, _mm256_loadu_ps(&x.scale[at])), acc[t]);
   }
 }
 
 // out[t] = token ids[t] . the row of bytes q, t < Tt; ws: the row's scale per group (x.lanes, zeros
 // past the groups).
-template <int Tt>
+template <int Bits, int Tt>
 void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* q, const float* ws, float* out) {
   const int8_t* qx[Tt];
   __m256 acc[Tt];
   for (int t = 0; t < Tt; ++t) qx[t] = x.Values(ids[t]), acc[t] = _mm256_setzero_ps();
   int64_t c = 0;
-  for (; c + 8 <= x.groups; c += 8) RowChunk<Tt, true>(x, qx, ids, q, ws, c, acc);
-  if (c < x.groups) RowChunk<Tt, false>(x, qx, ids, q, ws, c, acc);
+  for (; c + 8 <= x.groups; c += 8) RowChunk<Bits, Tt, true>(x, qx, ids, q, ws, c, acc);
+  if (c < x.groups) RowChunk<Bits, Tt, false>(x, qx, ids, q, ws, c, acc);
   for (int t = 0; t < Tt; ++t) {
     Lanes<8> v;
     std::memcpy(&v, &acc[t], sizeof v);
@@ -489,11 +563,11 @@ void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* q, con
   }
 }
 
-// IntDots of int4 rows, row by row (RowDots).
-template <typename T>
-void RowInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<4, T>& w,
-                 int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kDots = CountTable<kInt4RowTokens>([](auto n) { return &RowDots<decltype(n)::value>; });
+// IntDots row by row (RowDots).
+template <int Bits, typename T>
+void RowIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
+                int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
+  static constexpr auto kDots = CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value>; });
   thread_local std::vector<float> expanded;
   expanded.assign(x.lanes, 0.0f);
   // Float scales a group each, a whole number of registers of them: read where they are.
@@ -506,9 +580,9 @@ void RowInt4Dots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, c
     }
     if (!as_stored)
       for (int64_t g = 0; g < x.groups; ++g) expanded[g] = ToFloat(row.scale[g / per_block]);
-    for (int64_t t = 0; t < tokens; t += kInt4RowTokens) {
-      const int64_t tt = std::min<int64_t>(kInt4RowTokens, tokens - t);
-      float out[kInt4RowTokens];
+    for (int64_t t = 0; t < tokens; t += kRowTokens) {
+      const int64_t tt = std::min<int64_t>(kRowTokens, tokens - t);
+      float out[kRowTokens];
       kDots[tt - 1](x, ids + t, row.q, ws, out);
       for (int64_t k = 0; k < tt; ++k) dots[(t + k) * ldd + j] = out[k];
     }
@@ -521,11 +595,7 @@ template <int Bits, typename T>
 void IntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
              int64_t block_size, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
 #if defined(__AVX2__)
-  // int8 rows take the tiles at any number of tokens: at one token as fast as register blocks of
-  // rows read as stored were, at 2 to 4 tokens faster.
-  if constexpr (Bits == 4) {
-    if (tokens <= kInt4RowsUpTo) return RowInt4Dots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
-  }
+  if (tokens <= kRowsUpTo<Bits>) return RowIntDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
   return TiledDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
 #else
   PortableIntDots(x, ids, tokens, w, block_size / kGroup, lo, rows, dots, ldd);
