@@ -7,7 +7,8 @@ What runs, each on the CPU with the same intra-op threads:
 
 - ours: the GPT-2-Small-size ∞-MoE (shapes.SMALL, random weights) exported by infmoe_export with
   `--target onnxruntime` (block 32) at fp32, all-int8 and all-int4 (`dtype` and `quantize_other`),
-  K = 1, 2, 8, run by onnxruntime with the compiled kernel;
+  the quantized ones on float and (`-a8`, their default) int8 activations, K = 1, 2, 8, run by
+  onnxruntime with the compiled kernel;
 - llama.cpp (llama-cpp-python) running dense GPT-2 Small and Medium with random weights, written
   as GGUF (llama.cpp's `gpt2` architecture) by the gguf package at F16, Q8_0 and Q4_0
   (benchmarks.gguf_model); skipped, with the reason, where llama_cpp does not import;
@@ -48,9 +49,10 @@ from . import arguments, record
 PRECISIONS = {"fp32": {}, "all-int8": {"dtype": "int8", "quantize_other": "int8"},
               "all-int4": {"dtype": "int4", "quantize_other": "int4"},
               # all-int4 on the kernel's int8 activations (infmoe.activations) with a float16 KV cache
+              "all-int8-a8": {"dtype": "int8", "quantize_other": "int8", "activations": "int8", "kv_cache": "float16"},
               "all-int4-a8": {"dtype": "int4", "quantize_other": "int4", "activations": "int8", "kv_cache": "float16"}}
-# all-int4-a8 is what `infmoe-export onnx --dtype int4` writes: measured by default.
-DEFAULT_PRECISIONS = ("fp32", "all-int8", "all-int4", "all-int4-a8")
+# all-int8-a8 and all-int4-a8 are what `infmoe-export onnx --dtype int8|int4` write: measured by default.
+DEFAULT_PRECISIONS = ("fp32", "all-int8", "all-int8-a8", "all-int4", "all-int4-a8")
 
 
 def precision_options(precision: str) -> tuple:

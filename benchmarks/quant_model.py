@@ -62,7 +62,7 @@ GOALS = {"int8_speedup": 2.5, "int4_speedup": 4.0, "over_roofline": 1.3, "vs_den
 # Not precisions of their own (their roofline is all-int4's): all-int4 through onnxruntime's MatMulNBits.
 NBITS, A8 = "all-int4, MatMulNBits", "all-int4, MatMulNBits int8 activations"
 # What the first command a user types writes (`infmoe-export onnx --dtype int8|int4`, options.export_choices):
-# all-int8 / all-int4 on the activations options.FASTER_ACTIVATIONS names. Their rooflines are all-int8's and
+# all-int8 / all-int4 on the activations options.QUANTIZED_ACTIVATIONS names. Their rooflines are all-int8's and
 # all-int4's.
 FIRST = {f"onnx --dtype {dtype}": dtype for dtype in ("int8", "int4")}
 AT_MOST = {"over_roofline", "file_ratio_all_int4", "peak_rss_ratio_all_int4"}

@@ -91,10 +91,9 @@ def precision_list(text: str) -> List[str]:
 # together they give the fastest artifact for that runtime. The finer flags (`--quantize-other`,
 # `--target`) stay for experts-only or mixed precision and for graphs written for elsewhere.
 
-# The quantized ops' faster activations per weight precision (docs/design/decisions.md): int8
-# activations decode and prefill int4 weights faster than float ones; int8 weights they decode a
-# little faster but prefill slower.
-FASTER_ACTIVATIONS = {"int4": "int8", "int8": "float"}
+# What the onnxruntime target's int8 / int4 matrices multiply by default (docs/design/decisions.md):
+# int8 activations decode, batch and prefill both weight precisions at least as fast as float ones.
+QUANTIZED_ACTIVATIONS = "int8"
 
 
 def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Optional[str] = None,
@@ -112,10 +111,9 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
       and portable the experts, attention and the tied embedding / LM head (the router,
       LayerNorms and biases stay float); tensorrt the experts (its plugin). --quantize-other
       overrides that for the int8 / int4 models; fp32 and fp16 models stay float.
-    - The onnxruntime target's int4 models run their quantized ops on int8 activations (integer
-      dot products, judged at level 2: the faster path, as onnxruntime-genai's int4 CPU models
-      do); int8 models keep float ones (FASTER_ACTIVATIONS). --activations chooses either for
-      both. Other models are float.
+    - The onnxruntime target's int8 and int4 models run their quantized ops on int8 activations
+      (integer dot products, judged at level 2: the faster path, as onnxruntime-genai's int4 CPU
+      models do; QUANTIZED_ACTIVATIONS). --activations chooses either. Other models are float.
     - The KV cache is float32, or float16 (--kv-cache) on the onnxruntime target only: by default
       there for the models on int8 activations, which are judged at level 2 already (a float16
       cache is within the same budget: benchmarks.activations)."""
@@ -177,7 +175,7 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
     def kind(dtype: str) -> str:
         if dtype not in BITS or chosen != "onnxruntime":
             return "float"
-        return activations or FASTER_ACTIVATIONS[dtype]
+        return activations or QUANTIZED_ACTIVATIONS
 
     def cache(dtype: str) -> str:
         return kv_cache or ("float16" if kind(dtype) == "int8" else "float32")
@@ -196,9 +194,8 @@ QUANTIZE_OTHER_HELP = ("Finer: attention and the tied embedding / LM head of the
 
 
 ACTIVATIONS_HELP = ("Finer: what the onnxruntime target's int8 / int4 matrices multiply: int8 (integer dot products, "
-                    "judged by the accuracy budget; the default for int4) or float (SPEC §6's exact float32 path; "
-                    "the default for int8, whose batch-1 decode it keeps faster). A session's infmoe.activations option "
-                    "overrides it.")
+                    "judged by the accuracy budget; the default) or float (SPEC §6's exact float32 path). A session's "
+                    "infmoe.activations option overrides it.")
 
 
 KV_CACHE_HELP = ("Finer: the onnxruntime target's KV cache (past_key_values.*, present.*): float16 (half the bytes "
@@ -223,9 +220,9 @@ CHOICES_TABLE = "\n".join([
     "portable     any         standard ops and the expert op; int8 / int4: DequantizeLinear too",
     "",
     "The router, LayerNorms and biases stay float32 in every precision; --quantize-other none makes",
-    "int8 / int4 the experts only. onnxruntime int4 multiplies int8 activations (integer dot products)",
-    "and keeps a float16 KV cache, half its bytes (--activations float --kv-cache float32: SPEC §6's",
-    "float path). Decode is bound by the bytes read; measured speed per choice: python -m",
+    "int8 / int4 the experts only. onnxruntime int8 / int4 multiply int8 activations (integer dot",
+    "products) and keep a float16 KV cache, half its bytes (--activations float --kv-cache float32:",
+    "SPEC §6's float path). Decode is bound by the bytes read; measured speed per choice: python -m",
     "benchmarks.quant_model, its results in benchmarks/results/quant_model.json.",
 ])
 

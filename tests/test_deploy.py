@@ -25,7 +25,10 @@ FAST = ["--max-windows", "1", "--budget", "0.1", "--threads", "1"]
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     out = tmp_path_factory.mktemp("deploy") / "out"
-    result = subprocess.run([CLI, "deploy", "--out", str(out), "--k", "2", "--dtype", "int8", *FAST],
+    # float activations: SPEC §6's level 1 on the deployed backend (int8 activations, the default,
+    # are judged at level 2: test_deploy_takes_the_fastest_precision_within_budget)
+    result = subprocess.run([CLI, "deploy", "--out", str(out), "--k", "2", "--dtype", "int8", "--activations", "float",
+                             *FAST],
                             capture_output=True, text=True, timeout=600)
     return result, out
 
@@ -55,7 +58,6 @@ def test_deploy_certificate_and_latency(deployed):
     _, out = deployed
     certificate = json.loads((out / "certificate.json").read_text())
     assert certificate["passed"] and certificate["refused"] == [] and certificate["export"] == "onnxruntime all-int8"
-    # int8 weights keep float activations (options.FASTER_ACTIVATIONS): level 1 on the deployed backend
     assert certificate["backend"] == ("ort" if custom_op_library() else "ort-fallback")
     assert certificate["export_options"]["activations"] == "float"
     assert certificate["checkpoint_sha256"] == sha256(DEFAULT_CHECKPOINT / CONFIG_FILE, DEFAULT_CHECKPOINT / WEIGHTS_FILE)
@@ -72,7 +74,7 @@ def test_deploy_certificate_and_latency(deployed):
     assert readme.startswith("# ∞-MoE deployment: onnxruntime all-int8, K = 2")
     for part in ("## Parity certificate: passed", "## Latency on the machine that deployed it",
                  "ORTModelForCausalLM.from_pretrained(\"k2\"", "og.Model(\"k2\")",
-                 f"infmoe-export triton-repo --checkpoint {DEFAULT_CHECKPOINT} --k 2 --for onnxruntime --dtype int8 --out repo",
+                 f"infmoe-export triton-repo --checkpoint {DEFAULT_CHECKPOINT} --k 2 --for onnxruntime --dtype int8 --activations float --out repo",
                  "infmoe-export run --model k2/model.onnx"):
         assert part in readme
     assert "infmoe.activations" not in readme
@@ -94,15 +96,18 @@ def test_deploy_takes_the_fastest_precision_within_budget(tmp_path, run_cli, mon
     budget = parity.budget_problems
     monkeypatch.setattr(parity, "budget_problems", lambda row, *limits: (
         ["level 2: forced"] if row["dtype"] == "int4" else budget(row, *limits)))
-    status, text, err = run_cli("deploy", "--out", tmp_path / "out", "--k", "1", *FAST)
+    # A float32 cache: a float16 one's level-1 start agreement (about 99.7 % on this model) is too
+    # close to SPEC §5's 99 % for the one window FAST measures.
+    status, text, err = run_cli("deploy", "--out", tmp_path / "out", "--k", "1", *FAST, "--kv-cache", "float32")
     assert status == 0, err
-    assert "onnxruntime all-int4 kv16: over the accuracy budget" in err and "trying the next precision" in err
+    assert "onnxruntime all-int4: over the accuracy budget" in err and "trying the next precision" in err
     certificate = json.loads((tmp_path / "out" / "certificate.json").read_text())
-    assert certificate["export"] == "onnxruntime all-int8"
+    assert certificate["export"] == "onnxruntime all-int8" and \
+        certificate["backend"] == ("ort-a8" if custom_op_library() else "ort-fallback")
     refused, = certificate["refused"]
-    assert refused["export"] == "onnxruntime all-int4 kv16" and "level 2: forced" in refused["why"][0]
+    assert refused["export"] == "onnxruntime all-int4" and "level 2: forced" in refused["why"][0]
     assert ExportedModel.read(tmp_path / "out" / "k1" / "model.onnx").io.label == "onnxruntime all-int8"
-    assert "Refused first: onnxruntime all-int4 kv16" in (tmp_path / "out" / "README.md").read_text()
+    assert "Refused first: onnxruntime all-int4" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("patch, args, message", [
@@ -181,5 +186,5 @@ def test_an_int8_activation_certificate_takes_level_1_from_float_activations(tmp
     assert export_flags({**options, "activations": "int8"}) == "--for onnxruntime --dtype int4"
     assert export_flags({**options, "activations": "float"}) == "--for onnxruntime --dtype int4 --activations float"
     int8 = {**options, "dtype": "int8", "quantize_other": "int8"}
-    assert export_flags({**int8, "activations": "float"}) == "--for onnxruntime --dtype int8"
-    assert export_flags({**int8, "activations": "int8"}) == "--for onnxruntime --dtype int8 --activations int8"
+    assert export_flags({**int8, "activations": "int8"}) == "--for onnxruntime --dtype int8"
+    assert export_flags({**int8, "activations": "float"}) == "--for onnxruntime --dtype int8 --activations float"

@@ -215,9 +215,10 @@ def _labels(config, *args, **kwargs):
 def test_export_choices_resolve_the_flags(monkeypatch):
     assert _labels(CONFIG) == [("onnxruntime fp32", 32)]
     assert _labels(CONFIG, ["fp32", "fp16", "int8", "int4"], block_size=64) == [
-        ("onnxruntime fp32", 32), ("onnxruntime fp16", 32), ("onnxruntime all-int8", 64), ("onnxruntime all-int4 kv16", 64)]
-    # int8 activations (int4's default) bring a float16 KV cache; float activations or the flag keep float32
-    assert _labels(CONFIG, ["int8"], activations="int8") == [("onnxruntime all-int8 kv16", 32)]
+        ("onnxruntime fp32", 32), ("onnxruntime fp16", 32), ("onnxruntime all-int8 kv16", 64),
+        ("onnxruntime all-int4 kv16", 64)]
+    # int8 activations (the quantized models' default) bring a float16 KV cache; float activations or the flag keep float32
+    assert _labels(CONFIG, ["int8"], activations="float") == [("onnxruntime all-int8", 32)]
     assert _labels(CONFIG, ["int4"], activations="float") == [("onnxruntime all-int4", 32)]
     assert _labels(CONFIG, ["int4"], kv_cache="float32") == [("onnxruntime all-int4", 32)]
     assert _labels(CONFIG, ["fp32"], kv_cache="float16") == [("onnxruntime fp32 kv16", 32)]
@@ -236,19 +237,17 @@ def test_export_choices_resolve_the_flags(monkeypatch):
     assert "kernel library is not installed" in export_choices(CONFIG, ["int4"])[0].note
 
 
-def test_int4_onnxruntime_models_take_int8_activations_by_default():
+def test_quantized_onnxruntime_models_take_int8_activations_by_default():
     """The faster path by default where it runs (our kernels on the onnxruntime target): int8
-    activations for int4 weights, float ones for int8 weights and everywhere else; either where
-    asked for."""
+    activations for int8 and int4 weights, float ones everywhere else; either where asked for."""
     def kinds(*args, **kwargs):
         return [(c.dtype, c.activations) for c in export_choices(CONFIG, *args, **kwargs)]
 
-    assert kinds(["fp32", "fp16", "int8", "int4"]) == [("fp32", "float"), ("fp16", "float"), ("int8", "float"),
+    assert kinds(["fp32", "fp16", "int8", "int4"]) == [("fp32", "float"), ("fp16", "float"), ("int8", "int8"),
                                                         ("int4", "int8")]
     assert kinds(["int4"], quantize_other="none") == [("int4", "int8")]  # the experts' w_in product
-    assert kinds(["fp32", "int4"], activations="float") == [("fp32", "float"), ("int4", "float")]
-    assert kinds(["fp32", "int8", "int4"], activations="int8") == [("fp32", "float"), ("int8", "int8"),
-                                                                  ("int4", "int8")]
+    assert kinds(["fp32", "int8", "int4"], activations="float") == [("fp32", "float"), ("int8", "float"),
+                                                                   ("int4", "float")]
     assert kinds(["int4"], deploy="portable") == kinds(["int4"], target="tensorrt") == [("int4", "float")]
     assert export_choices(CONFIG, ["int4"])[0].options()["activations"] == "int8"
 

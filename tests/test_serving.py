@@ -419,20 +419,21 @@ def test_killed_model_process_recovers_and_no_request_is_lost(repository):
 
 
 def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
-    """--dtype (or its older spelling --precision) int8: the all-int8 onnxruntime model, named in
-    the output; the choice is checked before anything is written."""
+    """--dtype (or its older spelling --precision) int8: the all-int8 onnxruntime model (int8
+    activations, a float16 cache), named in the output; the choice is checked before anything is written."""
     code, out, err = run_cli("triton-repo", "--out", tmp_path / "repo", "--k", "1", "--precision", "int8",
                              "--preferred-batch-sizes", "4,1,2")
     assert code == 0, err
     written = read_repository(tmp_path / "repo")
     assert written["routes"] == {"1/int8": {
         "onnx": "infmoe_k1_int8/1/model.onnx", "triton": "infmoe_k1_int8", "past_shape": "[4, 0, 32]",
-        "shared_cache": True, "activations": "float", "kv_cache": "float32", "exported": "onnxruntime all-int8"}}
+        "shared_cache": True, "activations": "int8", "kv_cache": "float16", "exported": "onnxruntime all-int8 kv16"}}
     assert written["batching"] == {"max_batch_size": cfg.MAX_BATCH, "preferred_batch_sizes": [1, 2, 4],
                                    "measured": None}
     assert list(_parse(tmp_path / "repo" / "infmoe" / "config.pbtxt").sequence_batching.oldest.preferred_batch_size) \
         == [1, 2, 4]
-    assert "(onnxruntime all-int8); preferred batch sizes 1, 2, 4" in out and "export K=1 onnxruntime all-int8" in err
+    assert "(onnxruntime all-int8 kv16); preferred batch sizes 1, 2, 4" in out and \
+        "export K=1 onnxruntime all-int8 kv16" in err
     for args, message in ((["--dtype", "fp32", "--quantize-other", "int4"], "applies to int8 / int4 models"),
                           (["--dtype", "int4", "--block-size", "8"], "--block-size"),
                           (["--preferred-batch-sizes", "1,32"], "--preferred-batch-sizes) must lie in 1..16"),

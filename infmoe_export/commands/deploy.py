@@ -30,7 +30,7 @@ from ..errors import InfMoEError
 from ..export import export_onnx
 from ..export.hf_folder import GENAI_CONFIG_FILE, MODEL_FILE, genai_config, write_hf_folder
 from ..files import sha256, write_json
-from ..options import (FASTER_ACTIVATIONS, WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags,
+from ..options import (QUANTIZED_ACTIVATIONS, WINDOWS, THREADS, FiniteFloat, check_forward_memory, choices_from_flags,
                        export_choice_options, positive_ints)
 from ..quant import DEFAULT_BLOCK_SIZE
 from ..report.bench import DEFAULT_PAST, checked_backends, deployed_backend, level1_backend, run_bench
@@ -199,7 +199,7 @@ def export_flags(options: dict) -> str:
     if quantized and options["block_size"] != DEFAULT_BLOCK_SIZE:
         flags.append(f"--block-size {options['block_size']}")
     if quantized and options["target"] == "onnxruntime" and \
-            options.get("activations", "float") != FASTER_ACTIVATIONS[options["dtype"]]:
+            options.get("activations", "float") != QUANTIZED_ACTIVATIONS:
         flags.append(f"--activations {options.get('activations', 'float')}")
     if options.get("kv_cache", "float32") != "float32":
         flags.append(f"--kv-cache {options['kv_cache']}")
