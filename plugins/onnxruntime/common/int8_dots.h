@@ -413,8 +413,9 @@ void TiledDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, con
 // group's sum of qx), or on AVX2 vpmaddubsw of |q| against the activations carrying q's sign and
 // one vpmaddwd (no offset), as the tiles make them.
 constexpr int kRowTokens = 3;  // per token its partial sums and acc, beside the weights' registers
-// Up to this many tokens rows beat tiles: in a decode step, where the rows come from memory, by
-// a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py).
+// Up to this many tokens rows beat tiles in a decode step, where the rows come from memory: int4
+// by a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py); int8 at 1 (whole
+// all-int8 steps, alternating runs: at 2 and 4 the tiles were faster).
 template <int Bits>
 constexpr int64_t kRowsUpTo = Bits == 4 ? 4 : 1;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
