@@ -48,7 +48,7 @@ from . import arguments, record
 
 PRECISIONS = {"fp32": {}, "all-int8": {"dtype": "int8", "quantize_other": "int8"},
               "all-int4": {"dtype": "int4", "quantize_other": "int4"},
-              # all-int4 on the kernel's int8 activations (infmoe.activations) with a float16 KV cache
+              # -a8: on the kernel's int8 activations (infmoe.activations) with a float16 KV cache
               "all-int8-a8": {"dtype": "int8", "quantize_other": "int8", "activations": "int8", "kv_cache": "float16"},
               "all-int4-a8": {"dtype": "int4", "quantize_other": "int4", "activations": "int8", "kv_cache": "float16"}}
 # all-int8-a8 and all-int4-a8 are what `infmoe-export onnx --dtype int8|int4` write: measured by default.

@@ -90,9 +90,10 @@ def markdown(result: dict, source: str) -> str:
     a8 = [c for c in result["contenders"] if c["name"].startswith("ours") and c["name"].split()[1].endswith("-a8")]
     if a8:
         half = a8[0].get("kv_cache") == "float16"
+        weights = "|".join(sorted({c["precision"].split("-")[1] for c in a8}))  # all-int4-a8: int4
         lines.append("`-a8`: run with the kernel's int8 activations (session option `infmoe.activations = "
-                     f"int8`){' and a float16 KV cache' if half else ''}, what `infmoe-export onnx --dtype "
-                     f"{'|'.join(sorted({c['precision'].split('-')[1] for c in a8}))}` writes by default; without `-a8`: float activations "
+                     f"int8`){' and a float16 KV cache' if half else ''}, what `infmoe-export onnx --dtype {weights}` "
+                     "writes by default; without `-a8`: float activations "
                      f"(`--activations float{' --kv-cache float32' if half else ''}`).")
     if result["options"].get("quick"):
         lines.append("A `--quick` run: few configurations.")

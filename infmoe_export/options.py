@@ -91,7 +91,7 @@ def precision_list(text: str) -> List[str]:
 # together they give the fastest artifact for that runtime. The finer flags (`--quantize-other`,
 # `--target`) stay for experts-only or mixed precision and for graphs written for elsewhere.
 
-# What the onnxruntime target's int8 / int4 matrices multiply by default (docs/design/decisions.md):
+# What the onnxruntime target's int8 / int4 matrices multiply by default (docs/design/kernel.md):
 # int8 activations decode one sequence faster than float ones on int4 weights and about as fast on
 # int8 weights, and batch and prefill both faster (benchmarks/results/peers.json: the -a8 rows).
 QUANTIZED_ACTIVATIONS = "int8"

@@ -450,22 +450,20 @@ inline void GroupSums4(const QuantizedTokens& x, const int8_t* const* qx, const 
       const int8_t* pair = qx[t] + g * kGroup;
       const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
       const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kGroup));
+      __m256i s;
       if constexpr (kRowVnni) {
         // 32-bit sums, 4 a group (lanes 0-3: group g, 4-7: g + 1)
-        const __m256i s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), even, xe), odd, xo);
-        if (k % 2 == 0) {
-          first[t] = s;
-        } else {
-          half[t][k / 2] = _mm256_hadd_epi32(first[t], s);  // 2 a group
-        }
+        s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), even, xe), odd, xo);
       } else {
         // 16-bit sums, 8 a group (lanes 0-7: group g, 8-15: g + 1), each of at most 2 x 2 x 15 x 127
-        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
-        if (k % 2 == 0) {
-          first[t] = s;
-        } else {
-          half[t][k / 2] = _mm256_hadd_epi16(first[t], s);  // 4 a group, each at most 15240
-        }
+        s = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
+      }
+      if (k % 2 == 0) {
+        first[t] = s;
+      } else if constexpr (kRowVnni) {
+        half[t][k / 2] = _mm256_hadd_epi32(first[t], s);  // 2 a group
+      } else {
+        half[t][k / 2] = _mm256_hadd_epi16(first[t], s);  // 4 a group, each at most 15240
       }
     }
   }
