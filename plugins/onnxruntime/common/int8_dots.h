@@ -259,6 +259,14 @@ inline const int8_t* StepActivations(const QuantizedTokens& x, int64_t t, int64_
 template <int Bits>
 constexpr int kOffsetTimes = Bits == 4 ? 1 : 16;
 
+// The 8 32-bit sums of q . qx over each 4 bytes, stored bytes u = q + 128 against int8 activations,
+// on AVX2: u times 127 would overflow vpmaddubsw's 16-bit pair sums, so |q| against the activations
+// carrying q's sign (at most 2 x 127 x 127), widened by vpmaddwd. Exact; no offset.
+inline __m256i SignedDots(__m256i u, __m256i qx) {
+  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(qx, q)), _mm256_set1_epi16(1));
+}
+
 // out[kIntTileRows t + l] = token ids[t] . tile row l, t < Tt; steps: the tile's groups
 // (TileGroup, kIntTileBytes each), scales: its rows' block scales [block][kIntTileRows].
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -306,11 +314,7 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
         if constexpr (Bits == 4) {
           p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, qx));
         } else {
-          // Stored bytes u = q + 128 times 127 would overflow vpmaddubsw's 16-bit pair sums: |q|
-          // against the activations carrying q's sign (at most 2 x 127 x 127), widened every step.
-          const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(qx, q));
-          p[t] = _mm256_add_epi32(p[t], _mm256_madd_epi16(pairs, ones));
+          p[t] = _mm256_add_epi32(p[t], SignedDots(w, qx));
         }
       }
     }
@@ -410,8 +414,7 @@ void TiledDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, con
 // int4: one load a pair of groups, a mask and a shift give both groups' even and odd columns (as
 // QuantizedTokens lays out a pair), two vpmaddubsw (or vpdpbusd) per token and pair.
 // int8: one load a group; vpdpbusd on the stored bytes u = q + 128 (their offset: 128 times the
-// group's sum of qx), or on AVX2 vpmaddubsw of |q| against the activations carrying q's sign and
-// one vpmaddwd (no offset), as the tiles make them.
+// group's sum of qx), or on AVX2 SignedDots (no offset), as the tiles make them.
 constexpr int kRowTokens = 3;  // per token its partial sums and acc, beside the weights' registers
 // Up to this many tokens rows beat tiles in a decode step, where the rows come from memory: int4
 // by a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py); int8 at 1 (whole
@@ -484,14 +487,12 @@ inline void GroupSums4(const QuantizedTokens& x, const int8_t* const* qx, const 
 // c .. c + 3 and c + 4 .. c + 7 added last.
 template <int Tt, bool kFull>
 inline void GroupSums8(const QuantizedTokens& x, const int8_t* const* qx, const uint8_t* q, int64_t c, __m256i* sums) {
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256i pair[Tt], quad[Tt];
   for (int i = 0; i < 8; ++i) {
     const int64_t g = c + i;
     const bool present = kFull || g < x.groups;
     const __m256i v = present ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes<8>))
                               : _mm256_setzero_si256();
-    [[maybe_unused]] const __m256i signed_q = _mm256_xor_si256(v, flip), magnitude = _mm256_abs_epi8(signed_q);
     for (int t = 0; t < Tt; ++t) {
       __m256i s = _mm256_setzero_si256();
       if (present) {
@@ -499,7 +500,7 @@ inline void GroupSums8(const QuantizedTokens& x, const int8_t* const* qx, const 
         if constexpr (kRowVnni) {
           s = _mm256_dpbusd_epi32(s, v, xg);
         } else {
-          s = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xg, signed_q)), ones);
+          s = SignedDots(v, xg);
         }
       }
       if (i % 2 == 0) {
