@@ -248,37 +248,47 @@ def test_median_interval_covers_a_known_median():
     assert 0.12 < widths < 0.35  # about 2 × 1.96 × 1.2533 × 0.3 / sqrt(40) for this spread
 
 
-def test_interleaved_stops_when_stable_and_respects_the_budget():
-    import time as clock
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """timing's clock, advanced only by the calls under test: the scheduler's jitter cannot enter."""
+    from types import SimpleNamespace
 
-    steady = timing.interleaved([lambda: clock.sleep(0.002)] * 2, warmup=1, max_iters=10_000, budget_s=60.0,
-                                rel_ci=0.5)
-    assert all(timing.MIN_ITERS <= len(s) < 40 for s in steady)  # stops once stable, long before the budget
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def spend(seconds):
+        now[0] += seconds
+    return spend
+
+
+def test_interleaved_stops_when_stable_and_respects_the_budget(fake_clock):
     rng = np.random.default_rng(0)
+    steady = timing.interleaved([lambda: fake_clock(rng.uniform(0.0019, 0.0021))] * 2, warmup=1,
+                                max_iters=10_000, budget_s=60.0, rel_ci=0.1)
+    assert all(timing.MIN_ITERS <= len(s) < 40 for s in steady)  # stops once stable, long before the budget
 
-    noisy = timing.interleaved([lambda: clock.sleep(rng.uniform(0, 0.004))] * 2, warmup=0, max_iters=10_000,
+    noisy = timing.interleaved([lambda: fake_clock(rng.uniform(0, 0.004))] * 2, warmup=0, max_iters=10_000,
                                budget_s=0.3, rel_ci=1e-6)
     assert len(noisy[0]) == len(noisy[1]) >= timing.MIN_ITERS  # one call of each per round
-    assert sum(map(sum, noisy)) < 1.0
+    assert 0.3 <= sum(map(sum, noisy)) < 0.3 + 2 * 0.004  # stops at the first round past the budget
 
 
-def test_primed_calls_are_timed_right_after_one_of_their_own():
+def test_primed_calls_are_timed_right_after_one_of_their_own(fake_clock):
     """A call is slow when another fn ran last (cold weights): primed rounds time only warm calls."""
-    import time as clock
-
     last = [None]
 
     def call(name):
         def fn():
-            clock.sleep(0.004 if last[0] != name else 0.0005)
+            fake_clock(4.0 if last[0] != name else 0.5)
             last[0] = name
         return fn
 
     calls = [call("a"), call("b"), call("c")]
-    cold = timing.interleaved(calls, warmup=0, max_iters=10, budget_s=60.0, rel_ci=None)
-    warm = timing.interleaved(calls, warmup=0, max_iters=10, budget_s=60.0, rel_ci=None, primed=True)
+    cold = timing.interleaved(calls, warmup=0, max_iters=10, budget_s=1e9, rel_ci=None)
+    warm = timing.interleaved(calls, warmup=0, max_iters=10, budget_s=1e9, rel_ci=None, primed=True)
     assert all(len(s) == 10 for s in cold + warm)
-    assert max(map(max, warm)) < 0.003 < min(map(np.median, cold))
+    assert all(x == 0.5 for s in warm for x in s)
+    assert all(np.median(s) == 4.0 for s in cold)  # only a round's first call can follow its own fn
 
 
 def test_within_noise_is_interval_overlap():
