@@ -53,23 +53,45 @@ inline Lanes<W> KeySums(Lanes<W>* v) {
   }
 }
 
-// scores[j] = q . key j for j < n, keys ld elements apart: W keys a pass (independent chains hide
-// the FMA latency; their lanes summed together by KeySums, not a key at a time), then one at a time.
+// Rows [from, to) of a head's cache, rows ld elements apart, requested into the cache: a (row,
+// head) item's keys and values are short streams that end before the hardware prefetchers have
+// ramped up on them, so without this the reads run well below the memory's speed.
+template <typename C>
+inline void PrefetchRows(const C* rows, int64_t ld, int64_t from, int64_t to) {
+  const char* begin = reinterpret_cast<const char*>(rows + from * ld);
+  const char* end = reinterpret_cast<const char*>(rows + to * ld);
+  for (const char* p = begin; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+// Keys that Scores requests ahead of the pass it multiplies.
+constexpr int64_t kPrefetchKeys = 16;
+
+// scores[j] = q . key j for j < n, keys ld elements apart: W keys a pass, their W sums in
+// registers (independent chains hide the FMA latency; each key's sum in column order, its lanes
+// summed together with the others' by KeySums), then one at a time. Each pass also requests its
+// keys' values, which WeightedValues reads next.
 // C, here and below: the cache's element, float or float16 (uint16_t), read as float.
 template <typename C>
-void Scores(const float* q, const C* keys, int64_t ld, int64_t n, int64_t dim, float* scores) {
+void Scores(const float* q, const C* keys, int64_t ld, int64_t n, int64_t dim, float* scores, const C* values) {
   constexpr int W = std::is_same_v<C, float> ? kNarrow : kWide;
   const int64_t full = dim / W * W;
   auto tail = [&](int64_t j) { float sum = 0.0f; for (int64_t c = full; c < dim; ++c) sum += q[c] * ToFloat(keys[j * ld + c]); return sum; };
   int64_t j = 0;
+  PrefetchRows(keys, ld, 0, std::min(n, kPrefetchKeys));
   for (; j + W <= n; j += W) {
+    PrefetchRows(keys, ld, std::min(n, j + kPrefetchKeys), std::min(n, j + W + kPrefetchKeys));
+    PrefetchRows(values, ld, j, j + W);
     Lanes<W> acc[W] = {};
-    for (int r = 0; r < W; ++r)  // each key's row front to back: one stream
-      for (int64_t c = 0; c < full; c += W) acc[r] += ToLanes<W>(q + c) * ToLanes<W>(keys + (j + r) * ld + c);
+    for (int64_t c = 0; c < full; c += W) {
+      const Lanes<W> qc = ToLanes<W>(q + c);
+#pragma GCC unroll 16
+      for (int r = 0; r < W; ++r) acc[r] += qc * ToLanes<W>(keys + (j + r) * ld + c);
+    }
     Lanes<W> sums = KeySums<W>(acc);
     if (full < dim) for (int r = 0; r < W; ++r) sums[r] += tail(j + r);
     std::memcpy(scores + j, &sums, sizeof sums);
   }
+  PrefetchRows(values, ld, j, n);
   for (; j < n; ++j) {
     Lanes<W> acc = {};
     for (int64_t c = 0; c < full; c += W) acc += ToLanes<W>(q + c) * ToLanes<W>(keys + j * ld + c);
@@ -246,7 +268,7 @@ void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, con
           PackedWeightedValues<m>(row, values, n, out);
         });
         if (!packed) {
-          Scores(q, keys, dim, n, dim, row);
+          Scores(q, keys, dim, n, dim, row, values);
           weigh(b, i, row);
           WeightedValues(row, values, dim, n, dim, out);
         }
