@@ -304,18 +304,25 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
   for (int t = 0; t < Tt; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     __m256i p[Tt];  // int4: 16-bit pair sums; int8: 32-bit sums
-    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256();
+    const int8_t* a[Tt];  // step 0's activations; step i's lie StepActivations(..., i) - a[t] on
+    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), a[t] = StepActivations<Bits>(x, ids[t], g, 0);
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + kIntTileBytes * g + 32 * i));
+      const int64_t step = Bits == 4 ? (i < 4 ? 4 * i : kGroup + 4 * (i - 4)) : 4 * i;
+#pragma GCC unroll 8
       for (int t = 0; t < Tt; ++t) {
         int32_t four;
-        std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
+        std::memcpy(&four, a[t] + step, sizeof four);
         const __m256i qx = _mm256_set1_epi32(four);
         if constexpr (Bits == 4) {
           p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, qx));
         } else {
           p[t] = _mm256_add_epi32(p[t], SignedDots(w, qx));
         }
+        // Each step's sum in a register before the next: without this GCC reassociates the
+        // integer adds into a tree over all 8 steps and spills the 32 products it keeps alive.
+        asm("" : "+x"(p[t]));
       }
     }
     const __m256 ws = _mm256_loadu_ps(scales + g / per_block * kIntTileRows);
