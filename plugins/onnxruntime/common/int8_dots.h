@@ -423,16 +423,18 @@ void TiledDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, con
 // int8: one load a group; vpdpbusd on the stored bytes u = q + 128 (their offset: 128 times the
 // group's sum of qx), or on AVX2 SignedDots (no offset), as the tiles make them.
 constexpr int kRowTokens = 3;  // per token its partial sums and acc, beside the weights' registers
-// Up to this many tokens rows beat tiles in a decode step, where the rows come from memory: int4
-// by a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py); int8 at 1 (whole
-// all-int8 steps, alternating runs: at 2 and 4 the tiles were faster).
-template <int Bits>
-constexpr int64_t kRowsUpTo = Bits == 4 ? 4 : 1;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool kRowVnni = true;
 #else
 constexpr bool kRowVnni = false;
 #endif
+// Up to this many tokens rows beat tiles in a decode step, where the rows come from memory. int4
+// with AVX-512 VNNI: by a wide margin at 1 and 2 tokens, about even at 4 (benchmarks/peers.py);
+// on AVX2 by a wide margin at 1 token, about even at 2, the tiles faster from 3 on (whole
+// all-int4 steps and QMatMul alone, libraries alternating in one process). int8: at 1 (whole
+// all-int8 steps, alternating runs: at 2 and 4 the tiles were faster).
+template <int Bits>
+constexpr int64_t kRowsUpTo = Bits == 4 ? (kRowVnni ? 4 : 2) : 1;
 // The multiple of QuantizedTokens' offset (8 times a group's sum of qx) that a row's group sums
 // carry: int4's nibbles u = q + 8 once; int8's bytes 16 times through vpdpbusd, none on AVX2.
 template <int Bits>
