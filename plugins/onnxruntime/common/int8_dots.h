@@ -247,12 +247,16 @@ inline void TileGroup<8>(const uint8_t* const* row, int64_t g, uint8_t* steps, i
   }
 }
 
-// Where step i (4 columns of each row) finds a token's 4 int8 activations, from x.Values(t) of
-// group g: int4's even columns then odd ones (QuantizedTokens::Slot), int8's in column order.
+// Where step i (4 columns of each row) finds a token's 4 int8 activations of group g: StepOffset
+// bytes on from GroupActivations, int4's even columns then odd ones (QuantizedTokens::Slot),
+// int8's in column order.
 template <int Bits>
-inline const int8_t* StepActivations(const QuantizedTokens& x, int64_t t, int64_t g, int i) {
-  if constexpr (Bits == 4) return x.Even(t, g) + (i < 4 ? 4 * i : kGroup + 4 * (i - 4));
-  return x.Group(t, g) + 4 * i;
+inline const int8_t* GroupActivations(const QuantizedTokens& x, int64_t t, int64_t g) {
+  return Bits == 4 ? x.Even(t, g) : x.Group(t, g);
+}
+template <int Bits>
+constexpr int64_t StepOffset(int i) {
+  return Bits == 4 ? (i < 4 ? 4 * i : kGroup + 4 * (i - 4)) : 4 * i;
 }
 // The stored offset's multiple of a group's sum of qx: nibbles u = q + 8, bytes u = q + 128
 // (QuantizedTokens keeps 8 times the sum).
@@ -282,7 +286,7 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
       const __m512i w = _mm512_loadu_si512(steps + kIntTileBytes * g + 64 * i);
       for (int t = 0; t < Tt; ++t) {
         int32_t four;
-        std::memcpy(&four, StepActivations<Bits>(x, ids[t], g, i), sizeof four);
+        std::memcpy(&four, GroupActivations<Bits>(x, ids[t], g) + StepOffset<Bits>(i), sizeof four);
         p[t] = _mm512_dpbusd_epi32(p[t], w, _mm512_set1_epi32(four));
       }
     }
@@ -304,16 +308,15 @@ void TileDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* steps
   for (int t = 0; t < Tt; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     __m256i p[Tt];  // int4: 16-bit pair sums; int8: 32-bit sums
-    const int8_t* a[Tt];  // step 0's activations; step i's lie StepActivations(..., i) - a[t] on
-    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), a[t] = StepActivations<Bits>(x, ids[t], g, 0);
+    const int8_t* a[Tt];  // each token's activations of the group
+    for (int t = 0; t < Tt; ++t) p[t] = _mm256_setzero_si256(), a[t] = GroupActivations<Bits>(x, ids[t], g);
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + kIntTileBytes * g + 32 * i));
-      const int64_t step = Bits == 4 ? (i < 4 ? 4 * i : kGroup + 4 * (i - 4)) : 4 * i;
 #pragma GCC unroll 8
       for (int t = 0; t < Tt; ++t) {
         int32_t four;
-        std::memcpy(&four, a[t] + step, sizeof four);
+        std::memcpy(&four, a[t] + StepOffset<Bits>(i), sizeof four);
         const __m256i qx = _mm256_set1_epi32(four);
         if constexpr (Bits == 4) {
           p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, qx));
