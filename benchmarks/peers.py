@@ -29,8 +29,9 @@ the median of a few back-to-back steps):
   (infmoe_export.report.memory for onnxruntime, benchmarks.llama for llama.cpp), and the model's
   share of it (peak minus the process before loading).
 
-Then the goals that this run can judge (PEER_GOALS: ours against llama.cpp; and the batched
-curve, which must never fall as B grows). Results: benchmarks/results/peers.json; the README's
+Then the goals that this run can judge (PEER_GOALS: ours against llama.cpp, each speed-up the
+median over rounds of the two's times in the same round; and the batched curve, which must never
+fall as B grows). Results: benchmarks/results/peers.json; the README's
 table comes from it (python -m benchmarks.table).
 """
 
@@ -266,25 +267,33 @@ def memory(contenders: List[Contender], log) -> dict:
     return rows
 
 
-def figure(result: dict, measurement: tuple, name: str) -> Optional[float]:
-    """A contender's figure, higher is better: tokens/s (decode: 1000 / ms per token); None when
-    not measured."""
+def row_of(result: dict, measurement: tuple) -> Optional[dict]:
+    """The result's row of one measurement: ("decode", past), ("batched", B) or ("prefill", tokens)."""
     kind, at = measurement
-    if kind == "decode":
-        row = next((r for r in result["decode"] if r["past"] == at), None)
-        return 1e3 / row["ms"][name] if row and name in row["ms"] else None
-    key = "batch" if kind == "batched" else "tokens"
-    row = next((r for r in result[kind] if r[key] == at), None)
-    return row["tokens_per_s"].get(name) if row else None
+    key = {"decode": "past", "batched": "batch", "prefill": "tokens"}[kind]
+    return next((r for r in result[kind] if r[key] == at), None)
+
+
+def speedup(result: dict, measurement: tuple, ours: str, peer: str) -> Optional[float]:
+    """How many times faster ours ran than the peer: the median over rounds of the peer's time over
+    ours in the same round (a round that the machine slowed falls on both sides of its ratio);
+    None when either was not measured."""
+    from infmoe_export.report.timing import paired_ratio
+
+    row = row_of(result, measurement) or {}
+    samples = row.get("samples_ms", {})
+    if ours not in samples or peer not in samples:
+        return None
+    return paired_ratio(samples[peer], samples[ours])
 
 
 def goals(result: dict) -> List[dict]:
     """The goals that this run measured: ratios of ours to a peer, and the batched curve."""
     out = []
     for what, ours, peer, measurement, least in PEER_GOALS:
-        a, b = figure(result, measurement, ours), figure(result, measurement, peer)
-        if a is not None and b is not None:
-            out.append({"what": what, "value": a / b, "goal": least, "met": a / b >= least})
+        value = speedup(result, measurement, ours, peer)
+        if value is not None:
+            out.append({"what": what, "value": value, "goal": least, "met": value >= least})
     for precision in PRECISIONS:
         name = ours_name(precision, BATCHED_K)
         curve = [(row["batch"], row["tokens_per_s"][name]) for row in result["batched"] if name in row["tokens_per_s"]]

@@ -67,6 +67,13 @@ def test_gguf_writer_refuses_what_llama_cpp_cannot_run(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def with_samples(row, count=None):
+    """A result row with samples_ms: three rounds at its figures, the second one 5 times slower
+    for every contender (a machine slowed down for a round)."""
+    ms = row.get("ms") or {name: count / rate * 1e3 for name, rate in row["tokens_per_s"].items()}
+    return {**row, "samples_ms": {name: [v, 5 * v, v] for name, v in ms.items()}}
+
+
 def fake_result(quick=False, skipped=None):
     """A peers.json as benchmarks.peers writes it, with round numbers."""
     names = [peers.ours_name("all-int4", 2), peers.ours_name("all-int4", 8), peers.SMALL_Q4, peers.MEDIUM_Q4]
@@ -80,18 +87,17 @@ def fake_result(quick=False, skipped=None):
         "plan": {"ks": [2, 8]}, "options": {"threads": 2, "quick": quick},
         "skipped": skipped or {},
         "contenders": [{"name": n} for n in names],
-        "decode": [{"past": 128, "ms": {names[0]: 3.5, names[1]: 4.0, names[2]: 5.0, names[3]: 14.0}}],
-        "batched": [{"batch": b, "tokens_per_s": {names[0]: rate, names[2]: 250.0}} for b, rate in curve.items()],
-        "prefill": [{"tokens": 512, "tokens_per_s": {names[0]: 600.0, names[1]: 550.0, names[2]: 1000.0,
-                                                     names[3]: 200.0}}],
+        "decode": [with_samples({"past": 128, "ms": {names[0]: 3.5, names[1]: 4.0, names[2]: 5.0, names[3]: 14.0}})],
+        "batched": [with_samples({"batch": b, "tokens_per_s": {names[0]: rate, names[2]: 250.0}}, b)
+                    for b, rate in curve.items()],
+        "prefill": [with_samples({"tokens": 512, "tokens_per_s": {names[0]: 600.0, names[1]: 550.0, names[2]: 1000.0,
+                                                                  names[3]: 200.0}}, 512)],
         "memory": {names[0]: {"model_rss_bytes": 150 * 2**20}, names[2]: {"error": "child failed"}},
     }
 
 
 def test_goals_are_ratios_to_the_peers_and_find_the_cliff():
     result = fake_result()
-    result["batched"] = [{**row, "tokens_per_s": {peers.ours_name("all-int4", 2): row["tokens_per_s"][
-        peers.ours_name("all-int4", 2)], peers.SMALL_Q4: 250.0}} for row in result["batched"]]
     goals = {g["what"]: g for g in peers.goals(result)}
     decode = goals["batch-1 decode, past 128: ours K=2 all-int4 vs llama.cpp Small Q4_0"]
     assert decode["value"] == pytest.approx(5.0 / 3.5) and decode["met"]
@@ -101,8 +107,12 @@ def test_goals_are_ratios_to_the_peers_and_find_the_cliff():
     cliff = goals["batched decode never falls as B grows: ours all-int4 K=2, worst B over the best smaller B"]
     assert cliff["value"] == pytest.approx(90 / 380) and not cliff["met"]
     assert goals["batched decode B=16 over B=1: ours all-int4 K=2"]["value"] == pytest.approx(3.5)
+    # Speed-ups pair the rounds: a round slow for the peer alone does not count as ours being fast.
+    small = result["decode"][0]["samples_ms"]
+    small[peers.ours_name("all-int4", 2)], small[peers.SMALL_Q4] = [20.0, 4.0, 4.0], [25.0, 25.0, 5.0]
+    assert {g["what"]: g for g in peers.goals(result)}[decode["what"]]["value"] == pytest.approx(1.25)
     # A measurement a run did not make gives no goal (not a zero, not a failure).
-    del result["prefill"][0]["tokens_per_s"][peers.MEDIUM_Q4]
+    del result["prefill"][0]["samples_ms"][peers.MEDIUM_Q4]
     assert "prefill 512: ours K=8 all-int4 vs llama.cpp Medium Q4_0" not in {g["what"] for g in peers.goals(result)}
 
 
