@@ -34,7 +34,7 @@ from infmoe_export.runtimes.generate import generate
 from infmoe_export.runtimes.ort import OrtRunner, SharedCache, create_session
 from infmoe_export.serving import config as cfg
 from infmoe_export.serving import tritonserver_model as front
-from infmoe_export.verify.validate import DEFAULT_ATOL, validate_onnx
+from infmoe_export.verify.validate import DEFAULT_ATOL, KV16_ATOL, validate_onnx
 
 from conftest import TINY, genai_generate, random_model
 from test_ort_attention import run_in_place
@@ -192,10 +192,14 @@ def test_bad_cache_types_are_refused(options, message):
 
 
 def test_validation_of_a_float16_cache(model, exports, kernel):
-    """validate_onnx on a float16 cache (prefill and a decode step on the reference's cache):
-    float32's tolerance, the reference rounding its keys and values to float16 as the cache does."""
+    """validate_onnx on a float16 cache (prefill and a decode step on the reference's cache), the
+    reference rounding its keys and values to float16 as the cache does: held to KV16_ATOL (two
+    correct backends' caches may hold neighbouring float16s), on this small model within
+    float32's tolerance all the same."""
     report = validate_onnx(model, exports["float16"], kernel=kernel)
-    assert report.passed and report.atol == DEFAULT_ATOL["fp32"]
+    assert report.passed and report.atol == KV16_ATOL > DEFAULT_ATOL["fp32"]
+    logits = [o.max_abs_agreeing for o in report.outputs if o.name == "logits"]
+    assert len(logits) == 2 and max(logits) <= DEFAULT_ATOL["fp32"]
 
 
 @pytest.mark.parametrize("lengths", [(7,), LENGTHS], ids=["batch-1", "batch-3"])

@@ -43,7 +43,8 @@ runtime:
 @click.option("--no-function", is_flag=True, help="Leave out the fallback function (TensorRT plugin models).")
 @click.option("--with-starts", is_flag=True, help="Add outputs expert_starts.{i} [batch, sequence, K].")
 @click.option("--atol", type=float, default=None,
-              help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16).")
+              help="Validation tolerance (default: 1e-4 fp32, int8, int4 (against the dequantized weights), 5e-2 fp16; "
+                   "at least 1e-3 with a float16 KV cache).")
 @click.option("--no-validate", is_flag=True, help="Skip the onnxruntime-vs-PyTorch check.")
 def onnx_command(checkpoint, out, k, noise, no_past, opset, deploy, dtype, quantize_other, block_size, activations,
                  kv_cache, target,
