@@ -117,7 +117,7 @@ def test_cli_exports_a_float16_cache(model, tmp_path, run_cli, monkeypatch, kern
     code, _, err = run_cli("onnx", "--checkpoint", ckpt, "--out", tmp_path / "m.onnx", "--k", 2,
                            "--kv-cache", "float16")
     assert code == 0, err
-    assert "(onnxruntime fp32 kv16," in err and "validated" in err and "atol 0.0001" in err
+    assert "(onnxruntime fp32 kv16," in err and "validated" in err and "atol 0.001" in err
     exported = ExportedModel.read(tmp_path / "m.onnx")
     assert exported.io.kv_cache == "float16" and exported.metadata["infmoe.kv_cache"] == "float16"
     types = _types(exported.path)

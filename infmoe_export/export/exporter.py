@@ -13,7 +13,9 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
@@ -139,6 +141,26 @@ def _quiet():
             yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """A Ctrl-C during the body is taken when it returns: torch.onnx's export calls back into
+    Python from native code that a KeyboardInterrupt raised there aborts the whole process with
+    (std::terminate), so no cleanup runs. Off the main thread (no signals there) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(signal.SIGINT, None)
+        elif held and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def _rename_dims(graph: ir.Graph, decoder_io: DecoderIO):
@@ -398,7 +420,7 @@ def export_onnx(model: InfMoEGPT, path: Union[str, os.PathLike], *, k: Optional[
     example = decoder_io.dummy_inputs()
     args = tuple(torch.from_numpy(array) for array in example.values())
     try:
-        with _quiet(), torch.no_grad():
+        with _quiet(), _interrupts_held(), torch.no_grad():
             program = torch.onnx.export(
                 module, args, dynamo=True, input_names=decoder_io.input_names, output_names=decoder_io.output_names,
                 dynamic_shapes=(tuple(axes[name] for name in decoder_io.input_names),), opset_version=opset,
