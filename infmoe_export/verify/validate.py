@@ -47,6 +47,7 @@ from ..contract import DecoderIO, ExportedModel
 from ..errors import InfMoEError
 from ..model import InfMoEGPT
 from ..runtimes.torch_runner import TorchRunner
+from .parity import DEFAULT_ATOL as PARITY_ATOL
 from .quality import Agreement, float_reference, starts_session
 
 # fp32: float32 rounding through the layers is ~1e-6; 1e-4 is the project's bound. fp16 (the
@@ -56,9 +57,9 @@ DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2, "int8": 1e-4, "int4": 1e-4}
 # The default atol of an export with a float16 KV cache (where its dtype's is lower): the cache
 # rounds every key and value to 11 bits, so where two correct backends' sums of a value differ in
 # the last float32 bits their caches may hold neighbouring float16s, and every later logit of the
-# row carries that step (the present outputs allow it by one float16 step each, below). Parity's
+# row carries that step (the present outputs allow it by one float16 step each, below): parity's
 # own default.
-KV16_ATOL = 1e-3
+KV16_ATOL = PARITY_ATOL
 # How far sigmoid(z) may move between backends: ~100 float32 ulps at 0.5; for fp16 exports
 # the router's input carries the earlier layers' fp16 FFN outputs.
 BOUNDARY_TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "int8": 1e-5, "int4": 1e-5}
