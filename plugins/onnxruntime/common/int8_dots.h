@@ -558,45 +558,64 @@ inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const in
   }
 }
 
-// out[t] = token ids[t] . the row of bytes q, t < Tt; ws: the row's scale per group (x.lanes, zeros
-// past the groups).
-template <int Bits, int Tt>
-void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* q, const float* ws, float* out) {
+// out[r Tt + t] = token ids[t] . row r (bytes q[r], scales per group ws[r]: x.lanes, zeros past the
+// groups), r < Rr, t < Tt. Rows side by side: the activations are loaded once for both, and two
+// independent streams keep more reads in flight than one (a row of a few hundred bytes ends before
+// the hardware prefetcher ramps up).
+template <int Bits, int Tt, int Rr>
+void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* const* q, const float* const* ws,
+             float* out) {
   const int8_t* qx[Tt];
-  __m256 acc[Tt];
-  for (int t = 0; t < Tt; ++t) qx[t] = x.Values(ids[t]), acc[t] = _mm256_setzero_ps();
+  __m256 acc[Rr][Tt];
+  for (int t = 0; t < Tt; ++t) qx[t] = x.Values(ids[t]);
+  for (int r = 0; r < Rr; ++r)
+    for (int t = 0; t < Tt; ++t) acc[r][t] = _mm256_setzero_ps();
   int64_t c = 0;
-  for (; c + 8 <= x.groups; c += 8) RowChunk<Bits, Tt, true>(x, qx, ids, q, ws, c, acc);
-  if (c < x.groups) RowChunk<Bits, Tt, false>(x, qx, ids, q, ws, c, acc);
-  for (int t = 0; t < Tt; ++t) {
-    Lanes<8> v;
-    std::memcpy(&v, &acc[t], sizeof v);
-    out[t] = SumLanes<8>(v);
-  }
+  for (; c + 8 <= x.groups; c += 8)
+    for (int r = 0; r < Rr; ++r) RowChunk<Bits, Tt, true>(x, qx, ids, q[r], ws[r], c, acc[r]);
+  if (c < x.groups)
+    for (int r = 0; r < Rr; ++r) RowChunk<Bits, Tt, false>(x, qx, ids, q[r], ws[r], c, acc[r]);
+  for (int r = 0; r < Rr; ++r)
+    for (int t = 0; t < Tt; ++t) {
+      Lanes<8> v;
+      std::memcpy(&v, &acc[r][t], sizeof v);
+      out[r * Tt + t] = SumLanes<8>(v);
+    }
 }
 
-// IntDots row by row (RowDots).
+constexpr int kRowPair = 2;  // rows a RowDots call takes side by side
+
+// IntDots row by row (RowDots), kRowPair rows at a time.
 template <int Bits, typename T>
 void RowIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
                 int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
-  static constexpr auto kDots = CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value>; });
+  static constexpr auto kAlone = CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value, 1>; });
+  static constexpr auto kPaired =
+      CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value, kRowPair>; });
   thread_local std::vector<float> expanded;
-  expanded.assign(x.lanes, 0.0f);
+  expanded.assign(kRowPair * x.lanes, 0.0f);
   // Float scales a group each, a whole number of registers of them: read where they are.
   const bool as_stored = std::is_same_v<T, float> && per_block == 1 && x.groups == x.lanes;
-  for (int64_t j = 0; j < rows; ++j) {
-    const auto row = w.At(lo + j);
-    const float* ws = expanded.data();
-    if constexpr (std::is_same_v<T, float>) {
-      if (as_stored) ws = row.scale;
+  for (int64_t j = 0; j < rows; j += kRowPair) {
+    const int64_t n = std::min<int64_t>(kRowPair, rows - j);
+    const uint8_t* q[kRowPair];
+    const float* ws[kRowPair];
+    for (int64_t r = 0; r < n; ++r) {
+      const auto row = w.At(lo + j + r);
+      q[r] = row.q;
+      ws[r] = expanded.data() + r * x.lanes;
+      if constexpr (std::is_same_v<T, float>) {
+        if (as_stored) ws[r] = row.scale;
+      }
+      if (!as_stored)
+        for (int64_t g = 0; g < x.groups; ++g) expanded[r * x.lanes + g] = ToFloat(row.scale[g / per_block]);
     }
-    if (!as_stored)
-      for (int64_t g = 0; g < x.groups; ++g) expanded[g] = ToFloat(row.scale[g / per_block]);
     for (int64_t t = 0; t < tokens; t += kRowTokens) {
       const int64_t tt = std::min<int64_t>(kRowTokens, tokens - t);
-      float out[kRowTokens];
-      kDots[tt - 1](x, ids + t, row.q, ws, out);
-      for (int64_t k = 0; k < tt; ++k) dots[(t + k) * ldd + j] = out[k];
+      float out[kRowPair * kRowTokens];
+      (n == kRowPair ? kPaired : kAlone)[tt - 1](x, ids + t, q, ws, out);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t k = 0; k < tt; ++k) dots[(t + k) * ldd + j + r] = out[r * tt + k];
     }
   }
 }
