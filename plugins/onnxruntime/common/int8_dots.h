@@ -583,23 +583,26 @@ void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* const*
     }
 }
 
-constexpr int kRowPair = 2;  // rows a RowDots call takes side by side
+// Rows a RowDots call takes side by side: int4's two; int8's one (two 1.5x slower at one token:
+// GroupSums8's pairing of groups does not fit the registers twice).
+template <int Bits>
+constexpr int kRowPair = Bits == 4 ? 2 : 1;
 
-// IntDots row by row (RowDots), kRowPair rows at a time.
+// IntDots row by row (RowDots), kRowPair<Bits> rows at a time.
 template <int Bits, typename T>
 void RowIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, const QuantRows<Bits, T>& w,
                 int64_t per_block, int64_t lo, int64_t rows, float* dots, int64_t ldd) {
   static constexpr auto kAlone = CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value, 1>; });
   static constexpr auto kPaired =
-      CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value, kRowPair>; });
+      CountTable<kRowTokens>([](auto n) { return &RowDots<Bits, decltype(n)::value, kRowPair<Bits>>; });
   thread_local std::vector<float> expanded;
-  expanded.assign(kRowPair * x.lanes, 0.0f);
+  expanded.assign(kRowPair<Bits> * x.lanes, 0.0f);
   // Float scales a group each, a whole number of registers of them: read where they are.
   const bool as_stored = std::is_same_v<T, float> && per_block == 1 && x.groups == x.lanes;
-  for (int64_t j = 0; j < rows; j += kRowPair) {
-    const int64_t n = std::min<int64_t>(kRowPair, rows - j);
-    const uint8_t* q[kRowPair];
-    const float* ws[kRowPair];
+  for (int64_t j = 0; j < rows; j += kRowPair<Bits>) {
+    const int64_t n = std::min<int64_t>(kRowPair<Bits>, rows - j);
+    const uint8_t* q[kRowPair<Bits>];
+    const float* ws[kRowPair<Bits>];
     for (int64_t r = 0; r < n; ++r) {
       const auto row = w.At(lo + j + r);
       q[r] = row.q;
@@ -612,8 +615,8 @@ void RowIntDots(const QuantizedTokens& x, const int64_t* ids, int64_t tokens, co
     }
     for (int64_t t = 0; t < tokens; t += kRowTokens) {
       const int64_t tt = std::min<int64_t>(kRowTokens, tokens - t);
-      float out[kRowPair * kRowTokens];
-      (n == kRowPair ? kPaired : kAlone)[tt - 1](x, ids + t, q, ws, out);
+      float out[kRowPair<Bits> * kRowTokens];
+      (n == kRowPair<Bits> ? kPaired : kAlone)[tt - 1](x, ids + t, q, ws, out);
       for (int64_t r = 0; r < n; ++r)
         for (int64_t k = 0; k < tt; ++k) dots[(t + k) * ldd + j + r] = out[r * tt + k];
     }
