@@ -559,9 +559,8 @@ inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const in
 }
 
 // out[r Tt + t] = token ids[t] . row r (bytes q[r], scales per group ws[r]: x.lanes, zeros past the
-// groups), r < Rr, t < Tt. Rows side by side: the activations are loaded once for both, and two
-// independent streams keep more reads in flight than one (a row of a few hundred bytes ends before
-// the hardware prefetcher ramps up).
+// groups), r < Rr, t < Tt. Rows side by side load each token's activations once for all of them:
+// that pays at two tokens (one row at a time reloads both tokens' activations for every row).
 template <int Bits, int Tt, int Rr>
 void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* const* q, const float* const* ws,
              float* out) {
