@@ -22,8 +22,8 @@ Per K, measured side by side in one run:
   without our kernel, `through_matmulnbits`), with float activations and with int8 activations
   (accuracy level 4): what our kernel buys, and what onnxruntime's int8-activation path buys,
   with its max logit error against all-int4 (judged at level 2, never level 1);
-- what `infmoe-export onnx --dtype int8|int4` writes by default (all-int8 on float activations,
-  all-int4 on int8 ones: options.export_choices) against the default fp32 export;
+- what `infmoe-export onnx --dtype int8|int4` writes by default (all-int8 / all-int4 on int8
+  activations with a float16 KV cache: options.export_choices) against the default fp32 export;
 - prefill tokens/s at 512 tokens, interleaved the same way;
 - with --memory, at the first K: file size and the peak RSS of a fresh process that loads and
   decodes (report.memory), per precision, for both export targets.
