@@ -499,7 +499,7 @@ inline void GroupSums4(const QuantizedTokens& x, const int8_t* const* qx, const 
 // c .. c + 3 and c + 4 .. c + 7 added last.
 template <int Tt, bool kFull>
 inline void GroupSums8(const QuantizedTokens& x, const int8_t* const* qx, const uint8_t* q, int64_t c, __m256i* sums) {
-  __m256i pair[Tt], quad[Tt];
+  __m256i pair[Tt] = {}, quad[Tt] = {};  // set before read (GCC cannot tell)
   for (int i = 0; i < 8; ++i) {
     const int64_t g = c + i;
     const bool present = kFull || g < x.groups;
@@ -540,7 +540,7 @@ inline void GroupSums8(const QuantizedTokens& x, const int8_t* const* qx, const 
 template <int Bits, int Tt, bool kFull>
 inline void RowChunk(const QuantizedTokens& x, const int8_t* const* qx, const int64_t* ids, const uint8_t* q,
                      const float* ws, int64_t c, __m256* acc) {
-  __m256i sums[Tt];
+  __m256i sums[Tt] = {};  // set by GroupSums (GCC cannot tell)
   if constexpr (Bits == 4) {
     GroupSums4<Tt, kFull>(x, qx, q, c, sums);
   } else {
