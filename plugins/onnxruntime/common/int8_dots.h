@@ -582,8 +582,8 @@ void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* const*
     }
 }
 
-// Rows a RowDots call takes side by side: int4's two; int8's one (two 1.5x slower at one token:
-// GroupSums8's pairing of groups does not fit the registers twice).
+// Rows a RowDots call takes side by side: int4's two; int8's one (GroupSums8's pairing of groups
+// does not fit the registers twice: paired int8 rows ran slower at one token, decisions.md).
 template <int Bits>
 constexpr int kRowPair = Bits == 4 ? 2 : 1;
 
