@@ -3,6 +3,7 @@ with gguf's reader), the goals and table made from results, argument and memory 
 itself on a tiny GGUF model where llama_cpp imports."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,9 +112,36 @@ def test_goals_are_ratios_to_the_peers_and_find_the_cliff():
     small = result["decode"][0]["samples_ms"]
     small[peers.ours_name("all-int4", 2)], small[peers.SMALL_Q4] = [20.0, 4.0, 4.0], [25.0, 25.0, 5.0]
     assert {g["what"]: g for g in peers.goals(result)}[decode["what"]]["value"] == pytest.approx(1.25)
+    # With B = 1 timed in B = 16's rounds, the curve's goal pairs them: the median of per-round ratios.
+    ours = peers.ours_name("all-int4", 2)
+    top = next(row for row in result["batched"] if row["batch"] == 16)
+    top["samples_ms"][ours], top["b1_samples_ms"] = [40.0, 10.0, 30.0], {ours: [4.0, 5.0, 1.0]}
+    gain = {g["what"]: g for g in peers.goals(result)}["batched decode B=16 over B=1: ours all-int4 K=2"]
+    assert gain["value"] == pytest.approx(16 * 4.0 / 40.0) and not gain["met"]  # medians' ratio: 16 * 4 / 30
     # A measurement a run did not make gives no goal (not a zero, not a failure).
     del result["prefill"][0]["samples_ms"][peers.MEDIUM_Q4]
     assert "prefill 512: ours K=8 all-int4 vs llama.cpp Medium Q4_0" not in {g["what"] for g in peers.goals(result)}
+
+
+def test_measure_times_b1_in_the_top_batch_rounds(monkeypatch):
+    """The B = 16 rounds also time each batched contender's B = 1 step (the curve's paired goal),
+    recorded apart from the B = 16 samples; the other rows carry no such samples."""
+    calls = []
+
+    def step_factory(name):
+        return lambda past, b: (lambda: calls.append((name, b)))
+
+    contenders = [peers.Contender(name, "rt", "m", "p", 2, Path("x"), decode=lambda past: (lambda: None),
+                                  batched=step_factory(name) if name != "nbits" else None,
+                                  prefill=lambda n: (lambda: None), rss=dict) for name in ("ours", "nbits")]
+    monkeypatch.setattr(peers, "timed", lambda cs, make, rounds, steps: {
+        c.name: [float(len(c.name))] * rounds for c in cs if make(c) and not make(c)()})
+    plan = peers.Plan(pasts=(), batches=(1, 4, 16), prefills=())
+    result = peers.measure(contenders, plan, rounds=2, log=lambda _: None)
+    rows = {row["batch"]: row for row in result["batched"]}
+    assert rows[16]["b1_samples_ms"] == {"ours": [float(len("ours at B=1"))] * 2}
+    assert set(rows[16]["samples_ms"]) == {"ours"} and "b1_samples_ms" not in rows[4]
+    assert calls == [("ours", 1), ("ours", 4), ("ours", 16), ("ours", 1)]  # B = 16's rounds: B = 16, then B = 1
 
 
 def write_results(folder, result):
