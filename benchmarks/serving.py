@@ -16,6 +16,8 @@ shuffled order:
   ms per token at the client; and from Triton's metrics, per request, the ms it spent in the
   server, queued there and in the front model's execute (the rest of p50 is the client and
   loopback HTTP);
+- the same load test in mode generate at 1 and 16 streams: one request per sequence to the
+  generate model over gRPC, its tokens streamed back (ms per token: between a stream's tokens);
 - just before and just after the load at 1 and at 16 streams, the plain session (onnxruntime +
   kernel, --threads, the repository's kernel library) decoding as many sequences on a shared
   cache, each its own text, --tokens tokens after a prompt of --past (as the streams do): the
@@ -36,8 +38,9 @@ Then the goals, each the median over rounds of the round's own figure (a round's
 measured within a minute of each other; rounds on a shared machine may be far apart): at 1
 stream, a served token minus the session's batch-1 step, paired token by token (goal <= 1.5 ms;
 the load test's p50 minus the session's step around it is printed too); at 16 streams, steady
-tokens/s over the session's B = 16 decode tokens/s (goal >= 0.8; both decode only). The
-server's onnxruntime runs with the same threads (INFMOE_SERVE_THREADS).
+tokens/s over the session's B = 16 decode tokens/s (goal >= 0.8; both decode only); and the same
+two for the generate model (at 1 stream its p50 ms per token minus the session's step around the
+load). The server's onnxruntime runs with the same threads (INFMOE_SERVE_THREADS).
 """
 
 import argparse
@@ -54,10 +57,15 @@ import numpy as np
 from . import arguments, record
 
 STREAMS = (1, 4, 16)
+GENERATE_STREAMS = (1, 16)
 SESSION_BATCHES = (1, 16)
 K, PRECISION = 2, "int4"
 GOALS = {"1 stream, per token: served - session batch-1 step, ms (paired)": ("at most", 1.5),
-         "steady tokens/s at 16 streams / session B=16 tokens/s": ("at least", 0.8)}
+         "steady tokens/s at 16 streams / session B=16 tokens/s": ("at least", 0.8),
+         "generate model, 1 stream: p50 ms/token - session batch-1 step, ms": ("at most", 1.5),
+         "generate model, steady tokens/s at 16 streams / session B=16 tokens/s": ("at least", 0.8)}
+# Per mode of the load test: (the round's key of its load rows, of the session's steps around them).
+MODE_KEYS = {"step": ("server", "session_ms"), "generate": ("generate", "generate_session_ms")}
 
 
 def build(scratch: Path, log) -> Path:
@@ -207,13 +215,18 @@ def server_share(before: dict, after: dict) -> dict:
 
 
 def goals(rounds: list) -> list:
-    """Each goal's median over rounds of the round's own figure."""
-    overhead = [r["paired"]["overhead_ms"] for r in rounds]
-    share = [r["server"]["16"]["steady_tokens_per_s"] / (16e3 / r["session_ms"]["16"]) for r in rounds]
-    values = dict(zip(GOALS, (statistics.median(overhead), statistics.median(share))))
+    """Each goal's median over rounds of the round's own figure (the generate model's where the
+    rounds measured it)."""
+    figures = [[r["paired"]["overhead_ms"] for r in rounds],
+               [r["server"]["16"]["steady_tokens_per_s"] / (16e3 / r["session_ms"]["16"]) for r in rounds]]
+    if all("generate" in r for r in rounds):
+        figures += [[r["generate"]["1"]["p50_ms"] - r["generate_session_ms"]["1"] for r in rounds],
+                    [r["generate"]["16"]["steady_tokens_per_s"] / (16e3 / r["generate_session_ms"]["16"])
+                     for r in rounds]]
+    values = {what: statistics.median(figure) for what, figure in zip(GOALS, figures)}
     return [{"what": what, "value": round(values[what], 3), "goal": f"{word} {bound}",
              "met": values[what] <= bound if word == "at most" else values[what] >= bound}
-            for what, (word, bound) in GOALS.items()]
+            for what, (word, bound) in GOALS.items() if what in values]
 
 
 def summary(rounds: list) -> dict:
@@ -226,7 +239,10 @@ def summary(rounds: list) -> dict:
                      for key in rounds[0]["server"][s]["in_server"]} for s in streams}
     paired = {key: statistics.median(r["paired"][key] for r in rounds) for key in rounds[0]["paired"]}
     front = {key: statistics.median(r["front_model"][key] for r in rounds) for key in rounds[0]["front_model"]}
-    return {"front_model": front, "session_ms": session,
+    generate = {s: {key: statistics.median(r["generate"][s][key] for r in rounds)
+                    for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms", "p95_ms")}
+                for s in rounds[0].get("generate", {})}
+    return {"front_model": front, "session_ms": session, **({"generate": generate} if generate else {}),
             "session_tokens_per_s": {b: int(b) * 1e3 / ms for b, ms in session.items()},
             "server": server, "in_server": in_server, "paired": paired,
             "load_test_p50_minus_session_ms": statistics.median(r["server"]["1"]["p50_ms"] - r["session_ms"]["1"]
@@ -274,13 +290,15 @@ def main(argv=None):
             settle()
             return median_ms(steps[batch], args.steps)
 
-        def load(streams):
+        def load(streams, mode):
             settle()
             before = server_counters(server.metrics_url)
-            row = run_load(server.http_url, streams, [K], sequences_per_stream=1, tokens=args.tokens,
-                           precision=PRECISION, deadline_s=600)
+            row = run_load(server.http_url if mode == "step" else server.grpc_url, streams, [K], sequences_per_stream=1,
+                           tokens=args.tokens, precision=PRECISION, deadline_s=600, mode=mode)
             if row["failures"]:
                 sys.exit(f"benchmarks.serving: the load test had failures: {row['failures'][0]}")
+            if mode != "step":  # Triton's metrics count requests: one per generation here
+                return row
             return {**row, "in_server": server_share(before, server_counters(server.metrics_url))}
 
         def paired():
@@ -314,26 +332,31 @@ def main(argv=None):
         rounds = []
         with TritonServer(repo) as server:
             run_load(server.http_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION)  # warm up
-            order = list(STREAMS) + list(pairings)
+            run_load(server.grpc_url, 1, [K], sequences_per_stream=1, tokens=4, precision=PRECISION, mode="generate")
+            order = [("step", s) for s in STREAMS] + [("generate", s) for s in GENERATE_STREAMS] + list(pairings)
             for number in range(args.rounds):
                 random.Random(number).shuffle(order)
-                found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}}
-                for streams in order:
-                    if streams in pairings:
-                        key, measure = pairings[streams]
+                found = {"session_ms": {}, "session_bracket_ms": {}, "server": {}, "generate": {},
+                         "generate_session_ms": {}}
+                for entry in order:
+                    if entry in pairings:
+                        key, measure = pairings[entry]
                         found[key] = pair = measure()
-                        log(f"round {number + 1}: {streams}: served {pair['served_ms']:.2f}, session "
+                        log(f"round {number + 1}: {entry}: served {pair['served_ms']:.2f}, session "
                             f"{pair['session_ms']:.2f}, difference {pair['overhead_ms']:.2f} ms")
                         continue
+                    mode, streams = entry
+                    rows_key, session_key = MODE_KEYS[mode]
                     # the session's step of as many sequences just before and just after the load, against drift
                     batch = streams if streams in SESSION_BATCHES else None
                     first = session(batch) if batch else None
-                    found["server"][str(streams)] = row = load(streams)
+                    found[rows_key][str(streams)] = row = load(streams, mode)
                     if batch:
                         bracket = [first, session(batch)]
-                        found["session_bracket_ms"][str(batch)] = bracket
-                        found["session_ms"][str(batch)] = statistics.mean(bracket)
-                    log(f"round {number + 1}: {streams} streams: {row['tokens_per_s']} tokens/s (steady "
+                        if mode == "step":
+                            found["session_bracket_ms"][str(batch)] = bracket
+                        found[session_key][str(batch)] = statistics.mean(bracket)
+                    log(f"round {number + 1}: {mode}, {streams} streams: {row['tokens_per_s']} tokens/s (steady "
                         f"{row['steady_tokens_per_s']}), p50 {row['p50_ms']} ms"
                         + (f"; session B={batch}: {bracket[0]:.2f}, {bracket[1]:.2f} ms" if batch else ""))
                 found["load_average"] = list(os.getloadavg())
@@ -349,11 +372,13 @@ def print_result(result: dict) -> None:
     median = result["median"]
     print(f"session: batch-1 step {median['session_ms']['1']:.2f} ms, B=16 step {median['session_ms']['16']:.2f} ms "
           f"({median['session_tokens_per_s']['16']:.1f} tokens/s)")
-    print("| streams | tokens/s | steady tokens/s | p50 ms/token | p95 ms/token |")
-    print("|---|---|---|---|---|")
-    for streams, row in median["server"].items():
-        print(f"| {streams} | {row['tokens_per_s']:.1f} | {row['steady_tokens_per_s']:.1f} | {row['p50_ms']:.2f} | "
-              f"{row['p95_ms']:.2f} |")
+    print("| protocol | streams | tokens/s | steady tokens/s | p50 ms/token | p95 ms/token |")
+    print("|---|---|---|---|---|---|")
+    for mode, key in (("a request per token (front model)", "server"),
+                      ("a request per sequence (generate model)", "generate")):
+        for streams, row in median.get(key, {}).items():
+            print(f"| {mode} | {streams} | {row['tokens_per_s']:.1f} | {row['steady_tokens_per_s']:.1f} | "
+                  f"{row['p50_ms']:.2f} | {row['p95_ms']:.2f} |")
     print("per request in the server (Triton's metrics), ms: | streams | in the server | queued | execute "
           "| requests per execute |")
     for streams, row in median["in_server"].items():

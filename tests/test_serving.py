@@ -34,7 +34,7 @@ from infmoe_export.runtimes.ort import SharedCache, create_session  # noqa: E402
 from infmoe_export.serving import batching  # noqa: E402
 from infmoe_export.serving import config as cfg  # noqa: E402
 from infmoe_export.serving import tritonserver_model as front  # noqa: E402
-from infmoe_export.serving.client import FrontClient, ServingError, StepClient, new_sequence_id  # noqa: E402
+from infmoe_export.serving.client import FrontClient, GenerateClient, ServingError, StepClient, new_sequence_id  # noqa: E402
 from infmoe_export.serving.load import check_loopback, run_load, steady_rate  # noqa: E402
 from infmoe_export.serving.repository import build_repository, read_repository  # noqa: E402
 from infmoe_export.serving.server import TritonServer, free_port, pytriton_dist  # noqa: E402
@@ -73,8 +73,8 @@ def _parse(path):
 
 def test_every_config_parses_with_tritons_schema(repository):
     configs = sorted(repository.glob("*/config.pbtxt"))
-    assert [c.parent.name for c in configs] == ["infmoe", "infmoe_k1_fp32", "infmoe_k1_int4", "infmoe_k8_fp32",
-                                                 "infmoe_k8_int4"]
+    assert [c.parent.name for c in configs] == ["infmoe", "infmoe_generate", "infmoe_k1_fp32", "infmoe_k1_int4",
+                                                 "infmoe_k8_fp32", "infmoe_k8_int4"]
     front_config = _parse(repository / "infmoe" / "config.pbtxt")
     assert front_config.backend == "python" and front_config.max_batch_size == cfg.MAX_BATCH
     assert front_config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
@@ -87,6 +87,12 @@ def test_every_config_parses_with_tritons_schema(repository):
     assert 1 in oldest.preferred_batch_size and oldest.max_candidate_sequences == cfg.MAX_BATCH
     assert front_config.parameters["default_precision"].string_value == "fp32"
     assert sorted(cfg.routes_of(front_config)) == ["1/fp32", "1/int4", "8/fp32", "8/int4"]
+    generate_config = _parse(repository / cfg.GENERATE_MODEL / "config.pbtxt")
+    assert generate_config.model_transaction_policy.decoupled and generate_config.max_batch_size == 0
+    assert cfg.routes_of(generate_config) == cfg.routes_of(front_config)
+    assert json.loads(generate_config.parameters["preferred_batch_sizes"].string_value) == batch["preferred_batch_sizes"]
+    assert (repository / cfg.GENERATE_MODEL / "1" / "model.py").read_bytes() == \
+        (repository / cfg.FRONT_MODEL / "1" / "model.py").read_bytes()
     for k in KS:
         for precision, label in (("fp32", "onnxruntime fp32"), ("int4", "onnxruntime all-int4 kv16")):
             name = f"infmoe_k{k}_{precision}"
@@ -200,6 +206,69 @@ def test_pool_refuses_more_sequences_than_rows(repository):
     with pytest.raises(front.RequestError, match="all 2 sequence rows of this model are in use"):
         pool.serve(steps)
     assert pool.sequences == [] and pool.length == 0  # nothing half-done
+
+
+def generations(pool, prompts, left, route="1/fp32"):
+    """Generations of the generate model on `pool` (its route), their tokens and endings recorded."""
+    records = [{"tokens": [], "final": None} for _ in prompts]
+
+    def make(record, prompt):
+        def send(token, final):
+            record["tokens"].append(token)
+            if final:
+                record["final"] = "done"
+
+        return front.Generation(front.Sequence(route), np.array(list(prompt), np.int64), left, send,
+                                lambda message: record.update(final=message))
+    return [make(record, prompt) for record, prompt in zip(records, prompts)], records
+
+
+def test_generator_steps_every_generation_as_it_runs_alone(repository):
+    """The generate model's loop in this process: more generations than the pool has rows (the
+    rest wait for a row), prompts of odd lengths, one cancelled while it waits and one that fills
+    the context before its max_tokens (it ends there). Each gets the tokens it gives alone and
+    exactly one final; a call that fails ends its route's generations with the error, and the
+    generator goes on serving."""
+    exported = ExportedModel.read(repository / "infmoe_k1_fp32/1/model.onnx")
+    n_positions = exported.io.config.n_positions
+    pool = pool_of(exported, rows=3)
+    rng = random.Random(3)
+    prompts = [bytes(rng.randrange(256) for _ in range(n)) for n in (1, 4, 9, 2, 13)] + [bytes(n_positions - 3)]
+    items, records = generations(pool, prompts, 6)
+    items[3].cancelled = lambda: True
+    generator = front.Generator({"1/fp32": pool}, n_positions)
+    generator.start()
+    for item in items:
+        generator.submit(item)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(r["final"] is None for r in records):
+        time.sleep(0.01)
+    for index, (prompt, record) in enumerate(zip(prompts, records)):
+        if index == 3:
+            assert record == {"tokens": [], "final": "cancelled"}
+            continue
+        count = 4 if index == 5 else 6  # the long prompt: 1 + (n_positions - its length) tokens, then the context is full
+        assert record["final"] == "done" and record["tokens"] == alone(exported, [list(prompt)] + [[t] for t in record["tokens"][:-1]])
+        assert len(record["tokens"]) == count, index
+    assert pool.sequences == []
+    failing, records = generations(pool, [b"ab", b"c"], 5)
+    pool.run, run = (lambda first, ids, mask: 1 / 0), pool.run
+    for item in failing:
+        generator.submit(item)
+    while time.monotonic() < deadline and any(r["final"] is None for r in records):
+        time.sleep(0.01)
+    assert all(r["final"] == "inference failed: ZeroDivisionError: division by zero" for r in records), records
+    pool.run = run
+    again, records = generations(pool, [b"xyz"], 3)
+    generator.submit(again[0])
+    while time.monotonic() < deadline and records[0]["final"] is None:
+        time.sleep(0.01)
+    assert records[0]["final"] == "done" and len(records[0]["tokens"]) == 3
+    late, records = generations(pool, [b"late"], 50)
+    generator.submit(late[0])
+    generator.stop()  # what is still live or waiting ends with a message, never hangs
+    assert records[0]["final"] in ("the model is stopping", "done") and len(records[0]["tokens"]) < 50
+    assert not generator.thread.is_alive() and pool.sequences == []
 
 
 def test_preferred_batch_sizes_follow_the_curve():
@@ -386,6 +455,83 @@ def test_load_1_4_16_streams_dynamic_batching(server):
         assert row["failed"] == 0 and row["hung_streams"] == 0 and row["completed"] == row["requests"] > 0
     assert rows[0]["requests_per_execution"] == 1  # one stream: nothing to batch
     assert rows[2]["requests_per_execution"] > 1.0, rows  # sixteen: some requests batched (how many depends on the load)
+
+
+def test_generate_model_streams_the_tokens_run_gives(server, repository):
+    """The generate model (a request per generation, tokens streamed over gRPC): for K 1 and 8, fp32
+    and all-int4, the tokens `run`'s generation gives; then 20 generations at once from as many
+    clients (more than the 16 rows: the rest wait for one), each its tokens alone."""
+    client = GenerateClient(server.grpc_url)
+    for k in KS:
+        for precision in ("fp32", "int4"):
+            model = ExportedModel.read(repository / f"infmoe_k{k}_{precision}" / "1" / "model.onnx")
+            expected = generate(OrtRunner(model.io, model), list(b"import os"), 12)
+            arrived = []
+            assert client.generate(list(b"import os"), k, 12, precision=precision, on_token=arrived.append) == expected
+            assert arrived == expected
+    client.close()
+    prompts = [bytes(random.Random(n).randrange(32, 127) for _ in range(1 + n % 9)) for n in range(20)]
+    expected = {}
+    for n, prompt in enumerate(prompts):
+        model = ExportedModel.read(repository / f"infmoe_k{KS[n % 2]}_fp32" / "1" / "model.onnx")
+        expected[n] = generate(OrtRunner(model.io, model), list(prompt), 6 + n % 5)
+    results = {}
+
+    def worker(n):
+        streaming = GenerateClient(server.grpc_url)
+        try:
+            results[n] = streaming.generate(list(prompts[n]), KS[n % 2], 6 + n % 5)
+        finally:
+            streaming.close()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert results == expected
+
+
+@pytest.mark.parametrize("parameters, ids, match", [
+    (dict(k=3, max_tokens=4), [1], "no model for k=3"),
+    (dict(max_tokens=4), [1], "needs the parameter k"),
+    (dict(k=1), [1], "needs the parameter max_tokens"),
+    (dict(k=1, max_tokens=0), [1], "at least 1, got 0"),
+    (dict(k=1, max_tokens="many"), [1], "max_tokens must be an integer"),
+    (dict(k=1, max_tokens=4), [], "INPUT_IDS is empty"),
+    (dict(k=1, max_tokens=4), [300], "must be bytes"),
+    (dict(k=1, max_tokens=4), [7] * 300, "n_positions = 256"),
+])
+def test_generate_model_refuses_bad_requests_and_keeps_serving(server, parameters, ids, match):
+    import tritonclient.grpc as grpc
+
+    client = grpc.InferenceServerClient(server.grpc_url)
+    replies = []
+    client.start_stream(callback=lambda result, error: replies.append(error))
+    tensor = grpc.InferInput("INPUT_IDS", [len(ids)], "INT64")
+    tensor.set_data_from_numpy(np.array(ids, np.int64))
+    client.async_stream_infer(cfg.GENERATE_MODEL, [tensor], parameters=parameters)
+    deadline = time.monotonic() + 20
+    while not replies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.stop_stream()
+    assert len(replies) == 1 and replies[0] is not None, replies
+    assert match in replies[0].message()  # a stream's error carries its message (no gRPC status of its own)
+    assert "\n" not in replies[0].message()
+    streaming = GenerateClient(server.grpc_url)
+    assert len(streaming.generate(list(b"ok"), 1, 3)) == 3
+    streaming.close()
+
+
+def test_load_generate_mode(server):
+    """The load test's generate mode at 1 and 4 streams, K mixed: every generation completes with
+    all its tokens, none fails or hangs."""
+    for streams in (1, 4):
+        row = run_load(server.grpc_url, streams, list(KS), sequences_per_stream=2, tokens=12, deadline_s=60,
+                       mode="generate")
+        assert row["mode"] == "generate" and row["failed"] == 0 and row["hung_streams"] == 0, row
+        assert row["completed"] == row["requests"] == 2 * streams and row["tokens"] == 12 * row["requests"]
+        assert row["tokens_per_s"] > 0 and row["p50_ms"] > 0
+    with pytest.raises(InfMoEError, match="mode must be one of step, generate"):
+        run_load(server.grpc_url, 1, [1], mode="stream")
 
 
 def test_loopback_only():

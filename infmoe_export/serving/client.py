@@ -1,11 +1,13 @@
-"""Clients of the front model: FrontClient with tritonclient (HTTP or gRPC), and StepClient, the
-load test's lean HTTP one. One request per step of a sequence (Triton's sequence_id /
-sequence_start / sequence_end), the expert budget as the request parameter `k`. Used by the
-tests, the load test and docs/guide/serving.md."""
+"""Clients of the repository's models: FrontClient with tritonclient (HTTP or gRPC), and
+StepClient, the load test's lean HTTP one, send one request per step of a sequence to the front
+model (Triton's sequence_id / sequence_start / sequence_end); GenerateClient sends one request per
+generation to the generate model over a gRPC stream, its tokens streamed back. The expert budget is
+the request parameter `k`. Used by the tests, the load test and docs/guide/serving.md."""
 
 import itertools
 import json
 import os
+import queue
 import socket
 import threading
 from typing import List, Optional, Sequence
@@ -13,7 +15,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..errors import InfMoEError
-from .config import FRONT_MODEL
+from .config import FRONT_MODEL, GENERATE_MODEL
 
 _ids = itertools.count(1)
 _lock = threading.Lock()
@@ -173,3 +175,51 @@ class StepClient:
         if not chunk:
             raise ValueError("the server closed the connection")
         self.pending += chunk
+
+
+class GenerateClient:
+    """The generate model over one gRPC stream (tritonclient.grpc; url: the server's gRPC
+    endpoint): generate() sends one request and returns its streamed tokens; one generation at a
+    time per client. timeout bounds the wait for each token (seconds)."""
+
+    def __init__(self, url: str, timeout: float = 30.0):
+        try:
+            import tritonclient.grpc as module
+        except ImportError:
+            raise InfMoEError("the client needs tritonclient: pip install 'infmoe-export[serve]'") from None
+        self.module, self.timeout = module, timeout
+        self.client = module.InferenceServerClient(url)
+        self.replies: "queue.Queue" = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.replies.put((result, error)))
+
+    def close(self):
+        self.client.stop_stream()
+        self.client.close()
+
+    def generate(self, prompt_ids: Sequence[int], k: int, max_new_tokens: int, *, precision: Optional[str] = None,
+                 on_token=None) -> List[int]:
+        """Greedy tokens after the prompt, as `infmoe-export run` prints them (fewer when the
+        context fills up); on_token(token) as each arrives; precision: the server's default when None."""
+        array = np.asarray(list(prompt_ids), dtype=np.int64)
+        tensor = self.module.InferInput("INPUT_IDS", list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        parameters = {"k": k, "max_tokens": max_new_tokens, **({"precision": precision} if precision else {})}
+        tokens: List[int] = []
+        try:
+            self.client.async_stream_infer(GENERATE_MODEL, [tensor], parameters=parameters,
+                                           enable_empty_final_response=True)
+            while True:
+                result, error = self.replies.get(timeout=self.timeout)
+                if error is not None:
+                    raise ServingError(error.message(), error.status())
+                token = result.as_numpy("NEXT_TOKEN")
+                if token is not None and token.size:
+                    tokens.append(int(token.reshape(-1)[0]))
+                    if on_token is not None:
+                        on_token(tokens[-1])
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return tokens
+        except queue.Empty:
+            raise ServingError(f"no reply within {self.timeout:g} s") from None
+        except self.module.InferenceServerException as error:
+            raise ServingError(error.message(), error.status()) from None

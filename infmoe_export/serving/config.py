@@ -11,6 +11,7 @@ from ..contract import DecoderIO
 from ..errors import InfMoEError
 
 FRONT_MODEL = "infmoe"
+GENERATE_MODEL = "infmoe_generate"
 # The front model holds the KV cache of this many sequences at once and steps them in one
 # onnxruntime call; Triton keeps further sequences waiting until one ends.
 MAX_BATCH = 16
@@ -89,8 +90,6 @@ def front_model_config(models: Dict[str, Dict[str, str]], decoder_io: DecoderIO,
     {"onnx": path relative to the repository, "triton": the per-K model's name}; the expert
     budget and precision are request parameters (`k`, `precision`, default default_precision)."""
     preferred = ", ".join(str(b) for b in sorted(set(preferred_batch_sizes)))
-    routes, inputs, outputs = (_quote(json.dumps(v, sort_keys=True)) for v in (models, decoder_io.input_names, decoder_io.output_names))
-    vocab_size, n_positions = decoder_io.config.vocab_size, decoder_io.config.n_positions
     return f"""name: "{FRONT_MODEL}"
 backend: "python"
 max_batch_size: {MAX_BATCH}
@@ -99,7 +98,7 @@ input [
 ]
 output [
   {{ name: "NEXT_TOKEN" data_type: TYPE_INT64 dims: [ 1 ] }},
-  {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {vocab_size} ] }}
+  {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {decoder_io.config.vocab_size} ] }}
 ]
 sequence_batching {{
   max_sequence_idle_microseconds: {IDLE_SECONDS * 1_000_000}
@@ -111,15 +110,39 @@ sequence_batching {{
   oldest {{ max_candidate_sequences: {MAX_BATCH} preferred_batch_size: [ {preferred} ]
            max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US} }}
 }}
-instance_group [ {{ count: 1 kind: KIND_CPU }} ]
-parameters {{ key: "routes" value {{ string_value: "{routes}" }} }}
-parameters {{ key: "executor" value {{ string_value: "{executor}" }} }}
-parameters {{ key: "default_precision" value {{ string_value: "{_quote(default_precision)}" }} }}
-parameters {{ key: "n_positions" value {{ string_value: "{n_positions}" }} }}
-parameters {{ key: "input_names" value {{ string_value: "{inputs}" }} }}
-parameters {{ key: "output_names" value {{ string_value: "{outputs}" }} }}
-parameters {{ key: "idle_seconds" value {{ string_value: "{IDLE_SECONDS}" }} }}
-"""
+{_front_parameters(models, decoder_io, executor, default_precision, preferred_batch_sizes, "step")}"""
+
+
+def generate_model_config(models: Dict[str, Dict[str, str]], decoder_io: DecoderIO, executor: str = "local",
+                          default_precision: str = "fp32", *, preferred_batch_sizes: Sequence[int]) -> str:
+    """The generate model: the front model's file and routes as a decoupled model (Triton's
+    model_transaction_policy), one request a whole generation, its tokens streamed back; at most
+    MAX_BATCH generations live a route, stepped together in calls of the preferred batch sizes."""
+    return f"""name: "{GENERATE_MODEL}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+  {{ name: "INPUT_IDS" data_type: TYPE_INT64 dims: [ -1 ] }}
+]
+output [
+  {{ name: "NEXT_TOKEN" data_type: TYPE_INT64 dims: [ 1 ] }}
+]
+{_front_parameters(models, decoder_io, executor, default_precision, preferred_batch_sizes, "generate")}"""
+
+
+def _front_parameters(models, decoder_io: DecoderIO, executor: str, default_precision: str,
+                      preferred_batch_sizes: Sequence[int], mode: str) -> str:
+    """The instance group and parameters that the front and generate models share."""
+    values = {"mode": mode, "routes": json.dumps(models, sort_keys=True), "executor": executor,
+              "default_precision": default_precision, "n_positions": decoder_io.config.n_positions,
+              "vocab_size": decoder_io.config.vocab_size, "rows": MAX_BATCH,
+              "preferred_batch_sizes": json.dumps(sorted(set(preferred_batch_sizes))),
+              "input_names": json.dumps(decoder_io.input_names), "output_names": json.dumps(decoder_io.output_names),
+              "idle_seconds": IDLE_SECONDS}
+    parameters = "".join(f'parameters {{ key: "{key}" value {{ string_value: "{_quote(str(value))}" }} }}\n'
+                         for key, value in values.items())
+    return "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + parameters
 
 
 def _quote(text: str) -> str:

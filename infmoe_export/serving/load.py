@@ -1,8 +1,12 @@
 """A load test of the local server: N concurrent streams, each generating sequences of
 greedy tokens with K chosen per sequence in turn, bounded in sequences and time, stopping by
 itself. Every request is counted as completed or failed (with its message); none is dropped.
+Mode "step" sends a request per token to the front model (HTTP, or gRPC); mode "generate" one
+request per sequence to the generate model, its tokens streamed back (gRPC: --url is the
+server's gRPC endpoint).
 
     python -m infmoe_export.serving.load --url 127.0.0.1:8000 --streams 1,4,16 --k 1,2,4,8
+    python -m infmoe_export.serving.load --url 127.0.0.1:8001 --mode generate --streams 1,4,16
 
 Loopback only: the URL's host must be a loopback address."""
 
@@ -17,10 +21,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..errors import InfMoEError
-from .client import FrontClient, ServingError, StepClient, new_sequence_id
+from .client import FrontClient, GenerateClient, ServingError, StepClient, new_sequence_id
 
 PROMPTS = [b"import os", b"def main(", b"class A:", b"return self.", b"for i in range(", b"# The "]
-PERCENTILES = (50, 95, 99)  # of the ms per token, each request's wall time at the client
+PERCENTILES = (50, 95, 99)  # of the ms per token at the client: a step's wall time, or a token's since the last
+MODES = ("step", "generate")
 
 
 def check_loopback(url: str) -> None:
@@ -35,24 +40,49 @@ def check_loopback(url: str) -> None:
 
 def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream: int = 4, tokens: int = 24,
              deadline_s: float = 120.0, protocol: str = "http", timeout: float = 30.0,
-             precision: Optional[str] = None, during=None) -> Dict:
+             precision: Optional[str] = None, during=None, mode: str = "step") -> Dict:
     """One load level, every sequence at precision (default: the server's). The streams' clients
-    (StepClient over HTTP, FrontClient over gRPC) are made first, then all start together.
+    (mode step: StepClient over HTTP, FrontClient over gRPC; mode generate: GenerateClient, url
+    the gRPC endpoint) are made first, then all start together.
     `during(stop_event)` runs in its own thread while the load runs (the fault test kills a
     process there). Returns the figures and every failure:
     tokens_per_s over the whole run (prompts included), steady_tokens_per_s while every stream
     is past its first token and none has finished (None when that never holds), and percentiles
     of the ms per token."""
     check_loopback(url)
+    if mode not in MODES:
+        raise InfMoEError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     latencies: List[float] = []
     done_at: List[List[float]] = [[] for _ in range(streams)]  # each stream's completion times
     failures: List[str] = []
-    sent = [0]
+    sent, completed = [0], [0]
     lock = threading.Lock()
     stop = threading.Event()
-    clients = [StepClient(url, timeout) if protocol == "http" else FrontClient(url, protocol, timeout)
+    clients = [GenerateClient(url, timeout) if mode == "generate" else
+               StepClient(url, timeout) if protocol == "http" else FrontClient(url, protocol, timeout)
                for _ in range(streams)]
     together = threading.Barrier(streams + 1)
+
+    def generate(index: int, client, k: int, ids: List[int]):
+        last = [time.perf_counter()]
+
+        def arrived(_token):
+            now = time.perf_counter()
+            with lock:
+                latencies.append(now - last[0])
+                done_at[index].append(now)
+            last[0] = now
+
+        with lock:
+            sent[0] += 1
+        try:
+            client.generate(ids, k, tokens, precision=precision, on_token=arrived)
+        except ServingError as error:
+            with lock:
+                failures.append(str(error)[:200])
+            return
+        with lock:
+            completed[0] += 1
 
     def stream(index: int):
         client = clients[index]
@@ -62,6 +92,9 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
                 return
             k = ks[(index + n) % len(ks)]
             sequence_id, ids = new_sequence_id(), list(PROMPTS[(index + n) % len(PROMPTS)])
+            if mode == "generate":
+                generate(index, client, k, ids)
+                continue
             for step in range(tokens):
                 began = time.perf_counter()
                 with lock:
@@ -79,6 +112,7 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
                 with lock:
                     latencies.append(now - began)
                     done_at[index].append(now)
+                    completed[0] += 1
                 ids = [token]
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
@@ -101,11 +135,12 @@ def run_load(url: str, streams: int, ks: Sequence[int], *, sequences_per_stream:
     if helper:
         helper.join(timeout)
     hung = sum(thread.is_alive() for thread in threads)
-    completed = sum(len(times) for times in done_at)
+    received = sum(len(times) for times in done_at)
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
-    return {"streams": streams, "ks": list(ks), "precision": precision, "requests": sent[0], "completed": completed,
-            "failed": len(failures), "hung_streams": hung, "seconds": round(elapsed, 3),
-            "tokens_per_s": round(completed / elapsed, 2), "steady_tokens_per_s": steady_rate(done_at),
+    return {"streams": streams, "mode": mode, "ks": list(ks), "precision": precision, "requests": sent[0],
+            "completed": completed[0], "failed": len(failures), "tokens": received, "hung_streams": hung,
+            "seconds": round(elapsed, 3),
+            "tokens_per_s": round(received / elapsed, 2), "steady_tokens_per_s": steady_rate(done_at),
             **{f"p{q}_ms": round(float(np.percentile(lat, q)), 2) for q in PERCENTILES}, "failures": failures[:10]}
 
 
@@ -125,7 +160,10 @@ def steady_rate(done_at: Sequence[Sequence[float]]) -> Optional[float]:
 def main(argv: Optional[Sequence[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="HOST:PORT of the server's HTTP (or gRPC) endpoint")
-    parser.add_argument("--protocol", default="http", choices=["http", "grpc"])
+    parser.add_argument("--protocol", default="http", choices=["http", "grpc"], help="mode step's protocol")
+    parser.add_argument("--mode", default="step", choices=MODES,
+                        help="step: a request per token (front model); generate: a request per sequence, its "
+                             "tokens streamed (generate model, gRPC)")
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--k", default="1,2,4,8")
     parser.add_argument("--precision", default=None, help="the request parameter precision (default: the server's)")
@@ -135,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None):
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.k.split(",")]
     rows = [run_load(args.url, int(s), ks, sequences_per_stream=args.sequences, tokens=args.tokens,
-                     deadline_s=args.deadline, protocol=args.protocol, precision=args.precision)
+                     deadline_s=args.deadline, protocol=args.protocol, precision=args.precision, mode=args.mode)
             for s in args.streams.split(",")]
     print("| streams | requests | completed | failed | tokens/s | steady tokens/s | p50 ms/token | p95 ms/token "
           "| p99 ms/token |")

@@ -1,6 +1,8 @@
 """`infmoe-export triton-repo`: a Triton model repository for one checkpoint.
 
-    OUT/infmoe/config.pbtxt, 1/model.py           the decoding front model (Python backend)
+    OUT/infmoe/config.pbtxt, 1/model.py           the decoding front model (Python backend): a step a request
+    OUT/infmoe_generate/config.pbtxt, 1/model.py  the same file as the generate model: a generation a request,
+                                                    its tokens streamed back (decoupled)
     OUT/infmoe_k{K}_{precision}/config.pbtxt       one onnxruntime-backend model per (K, precision): the
         1/model.onnx, libinfmoe_ort.so              export choice of that precision (contract.ExportChoice,
                                                     as `run` exports it), the kernel library beside it
@@ -119,19 +121,19 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
             curves = [batching.measure_curve(exported, kernel=library is not None) for exported in measured]
             curve = {b: sum(c[b] for c in curves) for b in batching.CURVE_BATCHES}
             preferred_batch_sizes = batching.preferred_batch_sizes(curve, cfg.MAX_BATCH)
-        front = stage / cfg.FRONT_MODEL
-        (front / "1").mkdir(parents=True)
         source = resources.files("infmoe_export.serving").joinpath("tritonserver_model.py").read_text()
-        atomic_write(front / "1" / "model.py", source)
-        _write_config(front, cfg.front_model_config(routes, front_io, executor, default_precision=precisions[0],
-                                                    preferred_batch_sizes=preferred_batch_sizes))
-        names.insert(0, cfg.FRONT_MODEL)
+        for name, config in ((cfg.FRONT_MODEL, cfg.front_model_config), (cfg.GENERATE_MODEL, cfg.generate_model_config)):
+            (stage / name / "1").mkdir(parents=True)
+            atomic_write(stage / name / "1" / "model.py", source)
+            _write_config(stage / name, config(routes, front_io, executor, default_precision=precisions[0],
+                                               preferred_batch_sizes=preferred_batch_sizes))
+        names[:0] = [cfg.FRONT_MODEL, cfg.GENERATE_MODEL]
         batch = {"max_batch_size": cfg.MAX_BATCH, "preferred_batch_sizes": sorted(set(preferred_batch_sizes)),
                  "measured": None if curve is None else {
                      "of": f"{choices[0].label}, K = {', '.join(str(e.k) for e in measured)}",
                      "past": batching.CURVE_PAST, "ms_per_step": {str(b): round(ms, 3) for b, ms in curve.items()}}}
         atomic_write(stage / "repository.json", json.dumps(
-            {"front_model": cfg.FRONT_MODEL, "routes": routes, "models": names, "executor": executor,
+            {"front_model": cfg.FRONT_MODEL, "generate_model": cfg.GENERATE_MODEL, "routes": routes, "models": names, "executor": executor,
              "mount_path": mount, "kernel_library": library is not None, "batching": batch}, indent=2) + "\n")
     return {"models": names, "warnings": warnings, "preferred_batch_sizes": batch["preferred_batch_sizes"]}
 

@@ -26,10 +26,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..errors import InfMoEError
-from .config import FRONT_MODEL
+from .config import FRONT_MODEL, GENERATE_MODEL
 
 PYTRITON_VERSION = "0.7.0"
 
@@ -81,7 +81,7 @@ def server_env() -> dict:
 
 class TritonServer:
     """tritonserver on a repository, bound to `host`; a context manager that always stops it.
-    Ports are free ones unless given. Only the front model is loaded (explicit model control):
+    Ports are free ones unless given. Only the front and generate models are loaded (explicit model control):
     the onnxruntime/TensorRT-backend models need backends this binary does not carry."""
 
     def __init__(self, repository: Path, *, host: str = "127.0.0.1", http_port: Optional[int] = None,
@@ -120,8 +120,13 @@ class TritonServer:
                    "--allow-metrics=true", f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                    "--strict-readiness=true", "--exit-timeout-secs=10", "--log-verbose=0"]
         if not self.load_all:
-            command += ["--model-control-mode=explicit", f"--load-model={FRONT_MODEL}"]
+            command += ["--model-control-mode=explicit"] + [f"--load-model={name}" for name in self.front_models()]
         return command
+
+    def front_models(self) -> List[str]:
+        """The repository's Python-backend models: the front model and, in a repository that has
+        it, the generate model."""
+        return [FRONT_MODEL] + [GENERATE_MODEL] * (self.repository / GENERATE_MODEL).is_dir()
 
     def start(self, timeout: float = 120.0) -> "TritonServer":
         self._workdir = Path(tempfile.mkdtemp(prefix="infmoe-triton."))
@@ -141,38 +146,44 @@ class TritonServer:
     def _watch(self, period: float = 0.5):
         """Recovery: this Triton's Python backend does not restart a stub that died (killed, out of
         memory); its requests fail with "Stub process ... is not healthy" until the model is loaded
-        again. When the front model's stub is gone, load it again through the repository API.
-        Sequences that lived in it are lost; their next step is refused with a 400 naming why."""
+        again. When a front model's stub is gone, load that model again through the repository API.
+        Sequences that lived in it are lost; their next step is refused with a 400 naming why (a
+        generation in flight ends with an error)."""
         while not self._stop_watch.wait(period) and self.process is not None and self.process.poll() is None:
-            if self.stub_pids():
+            if not self._missing_stubs():
                 continue
             time.sleep(period)  # a stub being replaced by a load in progress
-            if self.stub_pids() or self._stop_watch.is_set():
-                continue
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                if self._reload():
-                    self.restarts += 1
+            for name in self._missing_stubs():
+                if self._stop_watch.is_set():
+                    break
+                with contextlib.suppress(OSError, urllib.error.URLError):
+                    if self._reload(name):
+                        self.restarts += 1
 
-    def _post(self, action: str) -> int:
-        url = f"http://{self.http_url}/v2/repository/models/{FRONT_MODEL}/{action}"
+    def _missing_stubs(self) -> List[str]:
+        running = set(self.stub_pids().values())
+        return [name for name in self.front_models() if name not in running]
+
+    def _post(self, name: str, action: str) -> int:
+        url = f"http://{self.http_url}/v2/repository/models/{name}/{action}"
         request = urllib.request.Request(url, data=b"{}", method="POST")
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status
 
-    def _reload(self) -> bool:
+    def _reload(self, name: str) -> bool:
         """Unload, then load: a load of an unchanged, loaded model is a no-op in Triton, which
         would leave the dead stub in place."""
-        if self._post("unload") != 200:
+        if self._post(name, "unload") != 200:
             return False
         deadline = time.monotonic() + 30
-        ready = f"http://{self.http_url}/v2/models/{FRONT_MODEL}/ready"
+        ready = f"http://{self.http_url}/v2/models/{name}/ready"
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(ready, timeout=2).close()
             except (OSError, urllib.error.URLError):
                 break  # 400: not ready any more
             time.sleep(0.2)
-        return self._post("load") == 200
+        return self._post(name, "load") == 200
 
     def log_text(self) -> str:
         path = self.log_path or (self._workdir / "server.log" if self._workdir else None)
@@ -224,9 +235,10 @@ class TritonServer:
             self._workdir = None
         return code
 
-    def stub_pids(self) -> List[int]:
-        """Process ids of the Python backend stubs of this server (children of tritonserver)."""
-        pids = []
+    def stub_pids(self) -> Dict[int, str]:
+        """The Python backend stubs of this server (children of tritonserver) that are alive: process
+        id -> the model each runs (its folder, named on the stub's command line)."""
+        pids = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -235,7 +247,9 @@ class TritonServer:
                 state, ppid = stat.rsplit(")", 1)[1].split()[:2]
                 # a killed stub stays a zombie until the server reaps it: it is not alive
                 if int(ppid) == self.process.pid and state not in ("Z", "X") and "triton_python_b" in stat:
-                    pids.append(int(entry.name))
+                    arguments = (entry / "cmdline").read_bytes().split(b"\0")
+                    pids[int(entry.name)] = next((name for name in self.front_models() for a in arguments
+                                                  if f"/{name}/".encode() in a), "")
         return pids
 
     def __enter__(self):

@@ -22,6 +22,13 @@ execute answers the requests Triton hands over with one call per kind of step:
   pool's current length (the columns before them masked);
 - more than one token on a live sequence: a call of that row alone.
 
+The same file is the repository's **generate model** (model parameter `mode` = "generate", a
+decoupled model): one request is a whole generation (the prompt in INPUT_IDS, request
+parameters `k`, `precision` and `max_tokens`), its greedy tokens streamed back one response
+each, the last with Triton's final flag (`Generator`). One thread steps every live generation
+of a route in one decode call and sends each its token: no request, and no hand-over between
+Triton and this process, per token.
+
 Executors (model parameter `executor`): "local" runs each per-K ONNX model of the repository in
 onnxruntime in this process with the kernel library beside it (a portable graph, which returns a
 new present, through CopyRunner: the past columns copied out of the pool, the new ones back);
@@ -31,6 +38,8 @@ Triton's BLS API, with the same copies.
 
 import json
 import os
+import queue
+import threading
 import time
 
 import numpy as np
@@ -52,20 +61,31 @@ class RequestError(Exception):
     """A bad request: answered with INVALID_ARG (HTTP 400), the server keeps serving."""
 
 
-def parse_parameters(text, routes, default_precision="fp32"):
-    """(k, precision) from a request's JSON parameters; RequestError when unknown."""
+def request_parameters(text):
+    """A request's JSON parameters as a dict; RequestError when they are not JSON."""
     try:
-        params = json.loads(text or "{}")
+        return json.loads(text or "{}")
     except ValueError:
         raise RequestError("request parameters are not JSON") from None
-    k = params.get("k")
+
+
+def integer_parameter(params, name):
+    """An integer request parameter (an int, or a string of digits), None when absent."""
+    value = params.get(name)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise RequestError(f"parameter {name} must be an integer, got {value!r}")
+    return value
+
+
+def parse_parameters(text, routes, default_precision="fp32"):
+    """(k, precision) from a request's JSON parameters; RequestError when unknown."""
+    params = request_parameters(text)
+    k = integer_parameter(params, "k")
     precision = params.get("precision", default_precision)
     if k is None:
         return None, precision
-    if isinstance(k, str) and k.strip().isdigit():
-        k = int(k)
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise RequestError(f"parameter k must be an integer, got {k!r}")
     if f"{k}/{precision}" not in routes:
         served = ", ".join(sorted(routes, key=lambda r: (int(r.split('/')[0]), r)))
         raise RequestError(f"no model for k={k} precision={precision}: this server has {served} (K/precision)")
@@ -304,6 +324,106 @@ class Pool:
             self.length = 0
 
 
+class Generation:
+    """One request of the generate model: its sequence, prompt ids, the tokens it may still take,
+    and how to answer it: send(token, final), fail(message) (the final response either way) and
+    cancelled() (the client gave up)."""
+    __slots__ = ("sequence", "ids", "left", "send", "fail", "cancelled")
+
+    def __init__(self, sequence, ids, left, send, fail, cancelled=lambda: False):
+        self.sequence, self.ids, self.left = sequence, ids, left
+        self.send, self.fail, self.cancelled = send, fail, cancelled
+
+
+class Generator:
+    """The generate model's loop, on a thread of its own: each turn takes the generations that
+    arrived (`submit`), then per route steps every live one in one decode call and sends each its
+    token, then prefills the new ones in one call on the pool's free rows (further ones wait for a
+    row); a generation ends, with the final flag on its last token, after max_tokens tokens or
+    when the context (n_positions) is full. A failed call ends every generation of its route with
+    the error; the server keeps serving."""
+
+    def __init__(self, pools, n_positions):
+        self.pools, self.n_positions = pools, n_positions
+        self.inbox = queue.Queue()
+        self.live = {route: [] for route in pools}
+        self.waiting = []
+        self.thread = threading.Thread(target=self._loop, name="infmoe-generate", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, generation):
+        self.inbox.put(generation)
+
+    def stop(self, timeout=10.0):
+        self.inbox.put(None)
+        self.thread.join(timeout)
+
+    def _loop(self):
+        while self._take(block=not self.waiting and not any(self.live.values())):
+            for route, pool in self.pools.items():
+                self._turn(route, pool)
+        for generation in self.waiting + [g for live in self.live.values() for g in live]:
+            generation.fail("the model is stopping")
+
+    def _take(self, block):
+        """Move what arrived into `waiting`; False once stop() was called."""
+        try:
+            item = self.inbox.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                self.waiting.append(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _turn(self, route, pool):
+        live = self.live[route]
+        for generation in [g for g in live if g.cancelled()]:
+            generation.fail("cancelled")
+            self._end(pool, live, generation)
+        new = []
+        for generation in [g for g in self.waiting if g.sequence.route == route]:
+            if len(live) + len(new) == pool.rows:
+                break
+            self.waiting.remove(generation)
+            if generation.cancelled():
+                generation.fail("cancelled")
+            else:
+                new.append(generation)
+        try:
+            if live:
+                steps = [Step(i, None, g.sequence, np.array([g.sequence.last_token], np.int64), False, False)
+                         for i, g in enumerate(live)]
+                pool._decode(steps)
+                self._deliver(pool, live, list(live), steps)
+            if new:
+                steps = [Step(i, None, g.sequence, g.ids, False, False) for i, g in enumerate(new)]
+                pool._prefill(steps)
+                live.extend(new)
+                self._deliver(pool, live, new, steps)
+        except Exception as error:  # a failed call ends its route's generations, never hangs them
+            for generation in live + [g for g in new if g not in live]:
+                generation.fail(f"inference failed: {type(error).__name__}: {error}")
+                pool.release(generation.sequence)
+            live.clear()
+
+    def _deliver(self, pool, live, generations, steps):
+        for generation, step in zip(generations, steps):
+            generation.left -= 1
+            final = generation.left == 0 or generation.sequence.length >= self.n_positions
+            generation.send(step.token, final)
+            if final:
+                self._end(pool, live, generation)
+
+    @staticmethod
+    def _end(pool, live, generation):
+        live.remove(generation)
+        pool.release(generation.sequence)
+
+
 def local_session(path, threads, activations="float"):
     """An onnxruntime session of a per-K model of the repository, the kernel library beside it,
     its quantized ops on the activations the model was exported for."""
@@ -407,10 +527,9 @@ class TritonPythonModel:
         self.default_precision = params.get("default_precision", "fp32")
         self.n_positions = int(params["n_positions"])
         self.idle_seconds = float(params.get("idle_seconds", "60"))
-        rows = max(1, int(config.get("max_batch_size", 1)))
-        oldest = config.get("sequence_batching", {}).get("oldest", {})
-        preferred = [int(b) for b in oldest.get("preferred_batch_size", [])]
-        vocab = int(config["output"][[o["name"] for o in config["output"]].index("LOGITS")]["dims"][0])
+        rows = int(params["rows"])
+        preferred = json.loads(params["preferred_batch_sizes"])
+        vocab = int(params["vocab_size"])
         repository = os.path.dirname(os.path.abspath(args["model_repository"]))
         past_names = [n for n in json.loads(params["input_names"]) if n.startswith("past_key_values.")]
         threads = int(os.environ.get("INFMOE_SERVE_THREADS") or 0)
@@ -429,9 +548,17 @@ class TritonPythonModel:
             runner.pool = Pool(runner, past_names, rows, heads, self.n_positions, head_dim, vocab, preferred,
                                np.dtype(entry.get("kv_cache", "float32")))  # repositories from before it: float32
             self.pools[route] = runner.pool
+        self.generator = None
+        if params.get("mode") == "generate":
+            self.generator = Generator(self.pools, self.n_positions)
+            self.generator.start()
 
     # -- one execute: check every request, then step each route's -----------------------------
     def execute(self, requests):
+        if self.generator is not None:
+            for request in requests:
+                self._submit(request)
+            return None
         responses = [None] * len(requests)
         by_route = {}
         now = time.monotonic()
@@ -483,15 +610,50 @@ class TritonPythonModel:
         if sequence is not None:
             self.pools[sequence.route].release(sequence)
 
-    def _admit(self, index, request, now):
-        """The Step of a valid request; RequestError otherwise."""
-        corrid = self._corrid(request)
-        k, precision = parse_parameters(request.parameters(), self.routes, self.default_precision)
+    @staticmethod
+    def _input_ids(request):
+        """A request's INPUT_IDS as int64 [n]; RequestError when empty or not bytes."""
         ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy().reshape(-1).astype(np.int64)
         if ids.shape[0] == 0:
             raise RequestError("INPUT_IDS is empty: give at least one token")
         if ids.min() < 0 or ids.max() >= BYTE_VOCAB:
             raise RequestError(f"INPUT_IDS must be bytes (0..{BYTE_VOCAB - 1})")
+        return ids
+
+    def _submit(self, request):
+        """A generate request to the generator, or its error as its final response."""
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+        def send(token, last):
+            response = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("NEXT_TOKEN", np.array([token], np.int64))])
+            sender.send(response, flags=final if last else 0)
+
+        def fail(message, invalid=False):
+            sender.send(self._error(message, invalid), flags=final)
+
+        try:
+            k, precision = parse_parameters(request.parameters(), self.routes, self.default_precision)
+            if k is None:
+                raise RequestError("a generate request needs the parameter k (the expert budget)")
+            left = integer_parameter(request_parameters(request.parameters()), "max_tokens")
+            if left is None or left < 1:
+                raise RequestError(f"a generate request needs the parameter max_tokens, at least 1, got {left!r}")
+            ids = self._input_ids(request)
+            if ids.shape[0] > self.n_positions:
+                raise RequestError(f"the prompt holds {ids.shape[0]} tokens: the context (n_positions = "
+                                   f"{self.n_positions}) has no room")
+        except RequestError as error:
+            return fail(str(error), invalid=True)
+        cancelled = getattr(request, "is_cancelled", lambda: False)
+        self.generator.submit(Generation(Sequence(f"{k}/{precision}"), ids, left, send, fail, cancelled))
+
+    def _admit(self, index, request, now):
+        """The Step of a valid request; RequestError otherwise."""
+        corrid = self._corrid(request)
+        k, precision = parse_parameters(request.parameters(), self.routes, self.default_precision)
+        ids = self._input_ids(request)
         if self._flag(request, "START"):
             if k is None:
                 raise RequestError("the first request of a sequence needs the parameter k (the expert budget)")
@@ -520,5 +682,7 @@ class TritonPythonModel:
             self._drop(corrid)
 
     def finalize(self):
+        if self.generator is not None:
+            self.generator.stop()
         self.sequences.clear()
         self.pools.clear()
