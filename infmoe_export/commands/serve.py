@@ -62,7 +62,8 @@ def serve_command(repo, ks, deploy, dtype, quantize_other, block_size, activatio
                       for route, entry in sorted(info["routes"].items())]
             click.echo(f"serving {', '.join(served)} (K/precision) from {repo}")
             click.echo(f"  HTTP    http://{server.http_url}/v2/models/infmoe   (health: /v2/health/ready)")
-            click.echo(f"  gRPC    {server.grpc_url}")
+            click.echo(f"  gRPC    {server.grpc_url}" + ("   (generate model: infmoe_generate, streamed tokens)"
+                                                          if "generate_model" in info else ""))
             click.echo(f"  metrics {server.metrics_url}")
             while stop["signal"] is None and server.process.poll() is None:
                 time.sleep(0.2)
