@@ -541,8 +541,9 @@ def test_loopback_only():
 
 
 def test_killed_model_process_recovers_and_no_request_is_lost(repository):
-    """SIGKILL the front model's stub mid-load: every request completes or fails with a message,
-    none hangs, and the server serves again (the watcher loads the model anew)."""
+    """SIGKILL the Python models' stubs (front and generate) mid-load: every request completes or
+    fails with a message, none hangs, and the server serves again on both (the watcher loads each
+    model anew)."""
     with TritonServer(repository) as server:
         killed = []
 
@@ -558,10 +559,15 @@ def test_killed_model_process_recovers_and_no_request_is_lost(repository):
         assert killed and row["hung_streams"] == 0
         assert row["completed"] + row["failed"] == row["requests"] and row["failed"] >= 1
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not server.restarts:
+        models = {cfg.FRONT_MODEL, cfg.GENERATE_MODEL}
+        while time.monotonic() < deadline and set(server.stub_pids().values()) != models:
             time.sleep(0.5)
-        assert server.restarts >= 1 and server.stub_pids() and not set(server.stub_pids()) & set(killed)
+        assert server.restarts >= 2 and not set(server.stub_pids()) & set(killed)  # both models' stubs were killed
+        assert set(server.stub_pids().values()) == models
         assert len(FrontClient(server.http_url).generate(list(b"again"), 8, 4)) == 4
+        streaming = GenerateClient(server.grpc_url)
+        assert len(streaming.generate(list(b"again"), 8, 4)) == 4
+        streaming.close()
 
 
 def test_cli_triton_repo_takes_the_export_choice(tmp_path, run_cli):
