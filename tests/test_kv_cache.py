@@ -13,11 +13,13 @@ printed in every failure; INFMOE_TEST_SEED=<n> replays a run)."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
+import torch
 from onnx import TensorProto
 
 from infmoe_export.checkpoint import save_checkpoint
@@ -34,6 +36,7 @@ from infmoe_export.runtimes.generate import generate
 from infmoe_export.runtimes.ort import OrtRunner, SharedCache, create_session
 from infmoe_export.serving import config as cfg
 from infmoe_export.serving import tritonserver_model as front
+from infmoe_export.verify import validate
 from infmoe_export.verify.validate import DEFAULT_ATOL, KV16_ATOL, validate_onnx
 
 from conftest import TINY, genai_generate, random_model
@@ -200,6 +203,24 @@ def test_validation_of_a_float16_cache(model, exports, kernel):
     assert report.passed and report.atol == KV16_ATOL > DEFAULT_ATOL["fp32"]
     logits = [o.max_abs_agreeing for o in report.outputs if o.name == "logits"]
     assert len(logits) == 2 and max(logits) <= DEFAULT_ATOL["fp32"]
+
+
+@pytest.mark.parametrize("kv_cache, passes", [("float32", False), ("float16", True)])
+def test_a_float16_cache_widens_the_start_boundary_margin(kv_cache, passes):
+    """A window start one off the reference's, the reference's position a few float16 steps
+    outside the chosen window (beyond float32's margin, within KV16_BOUNDARY_TOLERANCE's): a
+    problem with a float32 cache, a boundary case with a float16 one; one far outside fails both."""
+    config = InfMoEConfig(**{**TINY, "ffn_hidden": 96, "slice_width": 16})
+    decoder_io = DecoderIO(config, 2, target="onnxruntime", dtype="int4", kv_cache=kv_cache)
+    windows = config.ffn_hidden - config.slice_width + 1
+    for outside, expected in ((3e-5 * windows, passes), (0.5, False)):
+        expected_starts = np.array([[[10, 40]]])
+        chosen = np.array([[[11, 40]]])  # the first start one past the reference's
+        position = torch.tensor([[[11 - outside, 40.5]]], dtype=torch.float64) / windows
+        report = validate.ValidationReport(Path("x.onnx"), 1e-4)
+        validate._check_starts(report, "prefill", decoder_io, {"expert_starts.0": expected_starts}, [chosen],
+                               {0: torch.logit(position)}, np.ones((1, 1), np.int64))
+        assert report.passed == expected and report.boundary_cases == int(expected), (kv_cache, outside)
 
 
 @pytest.mark.parametrize("lengths", [(7,), LENGTHS], ids=["batch-1", "batch-3"])
