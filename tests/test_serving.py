@@ -223,7 +223,7 @@ def generations(pool, prompts, left, route="1/fp32"):
     return [make(record, prompt) for record, prompt in zip(records, prompts)], records
 
 
-def test_generator_steps_every_generation_as_it_runs_alone(repository):
+def test_generator_steps_every_generation_as_it_runs_alone(repository, monkeypatch):
     """The generate model's loop in this process: more generations than the pool has rows (the
     rest wait for a row), prompts of odd lengths, one cancelled while it waits and one that fills
     the context before its max_tokens (it ends there). Each gets the tokens it gives alone and
@@ -264,6 +264,13 @@ def test_generator_steps_every_generation_as_it_runs_alone(repository):
     while time.monotonic() < deadline and records[0]["final"] is None:
         time.sleep(0.01)
     assert records[0]["final"] == "done" and len(records[0]["tokens"]) == 3
+    monkeypatch.setattr(front, "CANCEL_CHECK_SECONDS", 0.0)  # live generations asked every step
+    cancelled, records = generations(pool, [b"cancel me"], 100)
+    cancelled[0].cancelled = lambda: len(records[0]["tokens"]) >= 3
+    generator.submit(cancelled[0])
+    while time.monotonic() < deadline and records[0]["final"] is None:
+        time.sleep(0.01)
+    assert records[0]["final"] == "cancelled" and len(records[0]["tokens"]) == 3 and pool.sequences == []
     late, records = generations(pool, [b"late"], 50)
     generator.submit(late[0])
     generator.stop()  # what is still live or waiting ends with a message, never hangs

@@ -324,6 +324,11 @@ class Pool:
             self.length = 0
 
 
+# How often the generate model asks whether its live generations were cancelled: each asks Triton
+# (a round trip to the server's process), which every step would pay once per generation.
+CANCEL_CHECK_SECONDS = 0.25
+
+
 class Generation:
     """One request of the generate model: its sequence, prompt ids, the tokens it may still take,
     and how to answer it: send(token, final), fail(message) (the final response either way) and
@@ -347,6 +352,7 @@ class Generator:
         self.pools, self.n_positions = pools, n_positions
         self.inbox = queue.Queue()
         self.live = {route: [] for route in pools}
+        self.checked = {route: 0.0 for route in pools}  # when its live generations were last asked
         self.waiting = []
         self.thread = threading.Thread(target=self._loop, name="infmoe-generate", daemon=True)
 
@@ -381,9 +387,11 @@ class Generator:
 
     def _turn(self, route, pool):
         live = self.live[route]
-        for generation in [g for g in live if g.cancelled()]:
-            generation.fail("cancelled")
-            self._end(pool, live, generation)
+        if time.monotonic() - self.checked[route] > CANCEL_CHECK_SECONDS:
+            self.checked[route] = time.monotonic()
+            for generation in [g for g in live if g.cancelled()]:
+                generation.fail("cancelled")
+                self._end(pool, live, generation)
         new = []
         for generation in [g for g in self.waiting if g.sequence.route == route]:
             if len(live) + len(new) == pool.rows:
