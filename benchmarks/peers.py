@@ -240,10 +240,11 @@ def measure(contenders: List[Contender], plan: Plan, rounds: int, log) -> dict:
         result["decode"].append({"past": past, "ms": {n: median(s) for n, s in samples.items()}, "samples_ms": samples})
     for batch in plan.batches:
         log(f"batched decode, B = {batch}, past {plan.batched_past}")
-        # At CURVE_TOP each contender's B = 1 step runs in the same rounds too (as "name at B=1"),
-        # so that the curve's goal is a ratio within rounds, not of two measurements minutes apart.
+        # At CURVE_TOP our contenders' B = 1 steps run in the same rounds too (as "name at B=1"), so
+        # that the curve's goal is a ratio within rounds, not of two measurements minutes apart
+        # (ours only: the goal is ours, and a llama.cpp model holds one batch size's context at a time).
         paired = [dataclasses.replace(c, name=at_b1(c.name)) for c in contenders
-                  if c.batched and batch == CURVE_TOP and 1 in plan.batches]
+                  if c.name in CURVE_NAMES and batch == CURVE_TOP and 1 in plan.batches]
         b1_names = {c.name for c in paired}
         samples = timed(contenders + paired, lambda c: c.batched(plan.batched_past, 1 if c.name in b1_names else batch)
                         if c.batched else None, rounds, plan.steps)
@@ -292,6 +293,9 @@ def speedup(result: dict, measurement: tuple, ours: str, peer: str) -> Optional[
     if ours not in samples or peer not in samples:
         return None
     return paired_ratio(samples[peer], samples[ours])
+
+
+CURVE_NAMES = {ours_name(precision, BATCHED_K) for precision in PRECISIONS}  # whose batched curve has goals
 
 
 def at_b1(name: str) -> str:

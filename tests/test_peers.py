@@ -124,24 +124,27 @@ def test_goals_are_ratios_to_the_peers_and_find_the_cliff():
 
 
 def test_measure_times_b1_in_the_top_batch_rounds(monkeypatch):
-    """The B = 16 rounds also time each batched contender's B = 1 step (the curve's paired goal),
-    recorded apart from the B = 16 samples; the other rows carry no such samples."""
+    """The B = 16 rounds also time our batched contenders' B = 1 step (the curve's paired goal),
+    recorded apart from the B = 16 samples; the other rows carry no such samples, and a peer's
+    B = 1 is not paired (a llama.cpp model keeps one batch size's context at a time)."""
     calls = []
+    ours, peer = peers.ours_name("all-int4", peers.BATCHED_K), peers.SMALL_Q4
 
     def step_factory(name):
         return lambda past, b: (lambda: calls.append((name, b)))
 
     contenders = [peers.Contender(name, "rt", "m", "p", 2, Path("x"), decode=lambda past: (lambda: None),
                                   batched=step_factory(name) if name != "nbits" else None,
-                                  prefill=lambda n: (lambda: None), rss=dict) for name in ("ours", "nbits")]
+                                  prefill=lambda n: (lambda: None), rss=dict) for name in (ours, peer, "nbits")]
     monkeypatch.setattr(peers, "timed", lambda cs, make, rounds, steps: {
         c.name: [float(len(c.name))] * rounds for c in cs if make(c) and not make(c)()})
     plan = peers.Plan(pasts=(), batches=(1, 4, 16), prefills=())
     result = peers.measure(contenders, plan, rounds=2, log=lambda _: None)
     rows = {row["batch"]: row for row in result["batched"]}
-    assert rows[16]["b1_samples_ms"] == {"ours": [float(len("ours at B=1"))] * 2}
-    assert set(rows[16]["samples_ms"]) == {"ours"} and "b1_samples_ms" not in rows[4]
-    assert calls == [("ours", 1), ("ours", 4), ("ours", 16), ("ours", 1)]  # B = 16's rounds: B = 16, then B = 1
+    assert rows[16]["b1_samples_ms"] == {ours: [float(len(peers.at_b1(ours)))] * 2}
+    assert set(rows[16]["samples_ms"]) == {ours, peer} and "b1_samples_ms" not in rows[4]
+    # B = 16's rounds: each contender at B = 16, then ours at B = 1
+    assert calls == [(name, b) for b in (1, 4, 16) for name in (ours, peer)] + [(ours, 1)]
 
 
 def write_results(folder, result):
