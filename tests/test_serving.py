@@ -476,6 +476,12 @@ def test_generate_model_streams_the_tokens_run_gives(server, repository):
             arrived = []
             assert client.generate(list(b"import os"), k, 12, precision=precision, on_token=arrived.append) == expected
             assert arrived == expected
+    # A generation given up on (no token within the timeout): the client's next one gets only its own tokens.
+    client.timeout = 1e-6
+    with pytest.raises(ServingError, match="no reply within"):
+        client.generate(list(b"import os"), 8, 200)
+    client.timeout = 30.0
+    assert client.generate(list(b"import os"), k, 12, precision=precision) == expected
     client.close()
     prompts = [bytes(random.Random(n).randrange(32, 127) for _ in range(1 + n % 9)) for n in range(20)]
     expected = {}

@@ -189,8 +189,13 @@ class GenerateClient:
             raise InfMoEError("the client needs tritonclient: pip install 'infmoe-export[serve]'") from None
         self.module, self.timeout = module, timeout
         self.client = module.InferenceServerClient(url)
-        self.replies: "queue.Queue" = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.replies.put((result, error)))
+        self._start()
+
+    def _start(self):
+        """A new stream: replies of an earlier one (a generation given up on) never reach it."""
+        replies: "queue.Queue" = queue.Queue()
+        self.replies = replies
+        self.client.start_stream(callback=lambda result, error: replies.put((result, error)))
 
     def close(self):
         self.client.stop_stream()
@@ -205,13 +210,16 @@ class GenerateClient:
         tensor.set_data_from_numpy(array)
         parameters = {"k": k, "max_tokens": max_new_tokens, **({"precision": precision} if precision else {})}
         tokens: List[int] = []
+        request_id = str(new_sequence_id())
         try:
-            self.client.async_stream_infer(GENERATE_MODEL, [tensor], parameters=parameters,
+            self.client.async_stream_infer(GENERATE_MODEL, [tensor], request_id=request_id, parameters=parameters,
                                            enable_empty_final_response=True)
             while True:
                 result, error = self.replies.get(timeout=self.timeout)
                 if error is not None:
                     raise ServingError(error.message(), error.status())
+                if result.get_response().id != request_id:
+                    continue
                 token = result.as_numpy("NEXT_TOKEN")
                 if token is not None and token.size:
                     tokens.append(int(token.reshape(-1)[0]))
@@ -220,6 +228,8 @@ class GenerateClient:
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     return tokens
         except queue.Empty:
+            self.client.stop_stream()
+            self._start()
             raise ServingError(f"no reply within {self.timeout:g} s") from None
         except self.module.InferenceServerException as error:
             raise ServingError(error.message(), error.status()) from None
