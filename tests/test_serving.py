@@ -34,7 +34,8 @@ from infmoe_export.runtimes.ort import SharedCache, create_session  # noqa: E402
 from infmoe_export.serving import batching  # noqa: E402
 from infmoe_export.serving import config as cfg  # noqa: E402
 from infmoe_export.serving import tritonserver_model as front  # noqa: E402
-from infmoe_export.serving.client import FrontClient, GenerateClient, ServingError, StepClient, new_sequence_id  # noqa: E402
+from infmoe_export.serving.client import (FrontClient, GenerateClient, ServingError, StepClient,  # noqa: E402
+                                          new_sequence_id)
 from infmoe_export.serving.load import check_loopback, run_load, steady_rate  # noqa: E402
 from infmoe_export.serving.repository import build_repository, read_repository  # noqa: E402
 from infmoe_export.serving.server import TritonServer, free_port, pytriton_dist  # noqa: E402
@@ -90,7 +91,8 @@ def test_every_config_parses_with_tritons_schema(repository):
     generate_config = _parse(repository / cfg.GENERATE_MODEL / "config.pbtxt")
     assert generate_config.model_transaction_policy.decoupled and generate_config.max_batch_size == 0
     assert cfg.routes_of(generate_config) == cfg.routes_of(front_config)
-    assert json.loads(generate_config.parameters["preferred_batch_sizes"].string_value) == batch["preferred_batch_sizes"]
+    preferred = json.loads(generate_config.parameters["preferred_batch_sizes"].string_value)
+    assert preferred == batch["preferred_batch_sizes"]
     assert (repository / cfg.GENERATE_MODEL / "1" / "model.py").read_bytes() == \
         (repository / cfg.FRONT_MODEL / "1" / "model.py").read_bytes()
     for k in KS:
@@ -247,8 +249,9 @@ def test_generator_steps_every_generation_as_it_runs_alone(repository, monkeypat
         if index == 3:
             assert record == {"tokens": [], "final": "cancelled"}
             continue
-        count = 4 if index == 5 else 6  # the long prompt: 1 + (n_positions - its length) tokens, then the context is full
-        assert record["final"] == "done" and record["tokens"] == alone(exported, [list(prompt)] + [[t] for t in record["tokens"][:-1]])
+        count = 4 if index == 5 else 6  # the long prompt: 1 + (n_positions - its length) tokens, the context full
+        chunks = [list(prompt)] + [[t] for t in record["tokens"][:-1]]
+        assert record["final"] == "done" and record["tokens"] == alone(exported, chunks)
         assert len(record["tokens"]) == count, index
     assert pool.sequences == []
     failing, records = generations(pool, [b"ab", b"c"], 5)

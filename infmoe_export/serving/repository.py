@@ -122,7 +122,8 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
             curve = {b: sum(c[b] for c in curves) for b in batching.CURVE_BATCHES}
             preferred_batch_sizes = batching.preferred_batch_sizes(curve, cfg.MAX_BATCH)
         source = resources.files("infmoe_export.serving").joinpath("tritonserver_model.py").read_text()
-        for name, config in ((cfg.FRONT_MODEL, cfg.front_model_config), (cfg.GENERATE_MODEL, cfg.generate_model_config)):
+        front_models = ((cfg.FRONT_MODEL, cfg.front_model_config), (cfg.GENERATE_MODEL, cfg.generate_model_config))
+        for name, config in front_models:
             (stage / name / "1").mkdir(parents=True)
             atomic_write(stage / name / "1" / "model.py", source)
             _write_config(stage / name, config(routes, front_io, executor, default_precision=precisions[0],
@@ -133,8 +134,9 @@ def build_repository(model, out, ks: Sequence[int], choices: Sequence[ExportChoi
                      "of": f"{choices[0].label}, K = {', '.join(str(e.k) for e in measured)}",
                      "past": batching.CURVE_PAST, "ms_per_step": {str(b): round(ms, 3) for b, ms in curve.items()}}}
         atomic_write(stage / "repository.json", json.dumps(
-            {"front_model": cfg.FRONT_MODEL, "generate_model": cfg.GENERATE_MODEL, "routes": routes, "models": names, "executor": executor,
-             "mount_path": mount, "kernel_library": library is not None, "batching": batch}, indent=2) + "\n")
+            {"front_model": cfg.FRONT_MODEL, "generate_model": cfg.GENERATE_MODEL, "routes": routes, "models": names,
+             "executor": executor, "mount_path": mount, "kernel_library": library is not None, "batching": batch},
+            indent=2) + "\n")
     return {"models": names, "warnings": warnings, "preferred_batch_sizes": batch["preferred_batch_sizes"]}
 
 
