@@ -79,9 +79,8 @@ def integer_parameter(params, name):
     return value
 
 
-def parse_parameters(text, routes, default_precision="fp32"):
-    """(k, precision) from a request's JSON parameters; RequestError when unknown."""
-    params = request_parameters(text)
+def parse_parameters(params, routes, default_precision="fp32"):
+    """(k, precision) from a request's parameters (request_parameters); RequestError when unknown."""
     k = integer_parameter(params, "k")
     precision = params.get("precision", default_precision)
     if k is None:
@@ -642,10 +641,11 @@ class TritonPythonModel:
             sender.send(self._error(message, invalid), flags=final)
 
         try:
-            k, precision = parse_parameters(request.parameters(), self.routes, self.default_precision)
+            params = request_parameters(request.parameters())
+            k, precision = parse_parameters(params, self.routes, self.default_precision)
             if k is None:
                 raise RequestError("a generate request needs the parameter k (the expert budget)")
-            left = integer_parameter(request_parameters(request.parameters()), "max_tokens")
+            left = integer_parameter(params, "max_tokens")
             if left is None or left < 1:
                 raise RequestError(f"a generate request needs the parameter max_tokens, at least 1, got {left!r}")
             ids = self._input_ids(request)
@@ -660,7 +660,7 @@ class TritonPythonModel:
     def _admit(self, index, request, now):
         """The Step of a valid request; RequestError otherwise."""
         corrid = self._corrid(request)
-        k, precision = parse_parameters(request.parameters(), self.routes, self.default_precision)
+        k, precision = parse_parameters(request_parameters(request.parameters()), self.routes, self.default_precision)
         ids = self._input_ids(request)
         if self._flag(request, "START"):
             if k is None:

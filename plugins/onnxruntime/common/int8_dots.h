@@ -582,9 +582,9 @@ void RowDots(const QuantizedTokens& x, const int64_t* ids, const uint8_t* const*
     }
 }
 
-// Rows a RowDots call takes side by side: int4's two on AVX2; one with AVX-512 VNNI (vpdpbusd
-// sums in place, so one row's chains already fill the unit: paired rows ran slower there), and
-// int8's one (GroupSums8's pairing of groups does not fit the registers twice). decisions.md.
+// Rows a RowDots call takes side by side: int4's two on AVX2; one with AVX-512 VNNI (paired rows
+// ran slower there), and int8's one (GroupSums8's pairing of groups does not fit the registers
+// twice). decisions.md.
 template <int Bits>
 constexpr int kRowPair = Bits == 4 && !kRowVnni ? 2 : 1;
 
