@@ -123,31 +123,42 @@ void DotChunk(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* 
 
 // out += h[r stride] * row i + r stride for r < Rows, in one pass over out; out in this layout.
 // Per block, c = h times the block's scale, and c q = c u - 8 c: the stored nibbles are
-// converted as they are, and the rows' 8 c once from each slot.
+// converted as they are, and the rows' 8 c once from each slot. The factors c and the blocks'
+// offsets are made for the whole row first, a register of blocks at a time, and broadcast from
+// memory in the pass (loads only): made block by block beside the pass, their scalar products and
+// broadcasts took the vector units' slots from the conversions and FMAs.
 template <int Rows, typename T>
 inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const float* h, int64_t, int64_t,
                      Lanes<8>* out) {
   typename NibbleRows<T>::Row row[Rows];
   for (int r = 0; r < Rows; ++r) row[r] = w.At(i + r * stride);
-  for (int64_t g = 0, b = 0; g < w.groups; ++b) {
-    Lanes<8> c[Rows];
-    float offset = 0.0f;
+  const int64_t blocks = w.w.blocks, padded = (blocks + 7) / 8 * 8;
+  thread_local std::vector<Lanes<8>> scratch;  // [Rows + 1][padded / 8]: c per row and block, then the offsets
+  scratch.resize((Rows + 1) * padded / 8);
+  float* factor = reinterpret_cast<float*>(scratch.data());
+  float* offset = factor + Rows * padded;
+  for (int64_t b = 0; b < padded; b += 8) {
+    Lanes<8> sum{};
     for (int r = 0; r < Rows; ++r) {
-      const float factor = h[r * stride] * ToFloat(row[r].scale[b]);
-      c[r] = Lanes<8>{} + factor, offset += 8.0f * factor;
+      Lanes<8> scale{};
+      for (int l = 0; l < 8 && b + l < blocks; ++l) scale[l] = ToFloat(row[r].scale[b + l]);
+      const Lanes<8> c = h[r * stride] * scale;
+      std::memcpy(factor + r * padded + b, &c, sizeof c);
+      sum += 8.0f * c;
     }
-    const int64_t end = std::min(g + w.groups_per_block, w.groups);
-    NibbleRows<T>::ForGroups(g, end, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
-      Lanes<8> even = out[2 * gi] - offset, odd = out[2 * gi + 1] - offset;
-      for (int r = 0; r < Rows; ++r) {
-        const __m256i u = w.template Group<decltype(full)::value>(row[r], gi);
-        even += c[r] * NibbleRows<T>::Even(u);
-        odd += c[r] * NibbleRows<T>::Odd(u);
-      }
-      out[2 * gi] = even, out[2 * gi + 1] = odd;
-    });
-    g = end;
+    std::memcpy(offset + b, &sum, sizeof sum);
   }
+  NibbleRows<T>::ForGroups(0, w.groups, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
+    const int64_t b = gi / w.groups_per_block;
+    Lanes<8> even[2] = {out[2 * gi] - offset[b], Lanes<8>{}}, odd[2] = {out[2 * gi + 1] - offset[b], Lanes<8>{}};
+    for (int r = 0; r < Rows; ++r) {
+      const __m256i u = w.template Group<decltype(full)::value>(row[r], gi);
+      const float c = factor[r * padded + b];
+      even[r % 2] += c * NibbleRows<T>::Even(u);
+      odd[r % 2] += c * NibbleRows<T>::Odd(u);
+    }
+    out[2 * gi] = even[0] + even[1], out[2 * gi + 1] = odd[0] + odd[1];
+  });
 }
 
 // The batched path's w_out product on int4 rows: out[t] += h[t ldh + j] * row lo + j over j < rows,
