@@ -9,8 +9,9 @@ that onnxruntime prepacks MatMulNBits' as in a model, and each call reads from m
 onnxruntime and the Python binding. Reported: net µs, GB/s (the bytes the matrix
 holds at that precision, scales included; fp32 for the MatMul) and, per round, QMatMul's speed
 over MatMulNBits' with float activations (accuracy level 1, what QMatMul's function runs without
-our kernel) and with int8 activations (level 4; off the level-1 reference), and QMatMul's GB/s
-over the fp32 MatMul's (onnxruntime's best GEMV: the roofline). Prefill (512 tokens, qkv):
+our kernel), QMatMul's on int8 activations (infmoe.activations = int8) over MatMulNBits' on them
+(level 4; both off the level-1 reference), and QMatMul's GB/s over the fp32 MatMul's
+(onnxruntime's best GEMV: the roofline). Prefill (512 tokens, qkv):
 QMatMul's time over MatMulNBits' (level 1) and over the fp32 MatMul's.
 
     .venv/bin/python -m benchmarks.qmatmul [--rounds 100] [--json benchmarks/results/qmatmul.json]
