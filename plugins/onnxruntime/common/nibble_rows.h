@@ -149,7 +149,7 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
     std::memcpy(offset + b, &sum, sizeof sum);
   }
   NibbleRows<T>::ForGroups(0, w.groups, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
-    const int64_t b = gi / w.groups_per_block;
+    const int64_t b = gi >> (w.w.block_shift - 1);  // groups_per_block, a power of two
     Lanes<8> even[2] = {out[2 * gi] - offset[b], Lanes<8>{}}, odd[2] = {out[2 * gi + 1] - offset[b], Lanes<8>{}};
     for (int r = 0; r < Rows; ++r) {
       const __m256i u = w.template Group<decltype(full)::value>(row[r], gi);
