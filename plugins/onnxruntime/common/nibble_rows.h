@@ -126,7 +126,8 @@ void DotChunk(const NibbleRows<T>& w, int64_t lo, int64_t rows, const Lanes<8>* 
 // converted as they are, and the rows' 8 c once from each slot. The factors c and the blocks'
 // offsets are made for the whole row first, a register of blocks at a time, and broadcast from
 // memory in the pass (loads only): made block by block beside the pass, their scalar products and
-// broadcasts took the vector units' slots from the conversions and FMAs.
+// broadcasts took the vector units' slots from the conversions and FMAs. Each slot's sum runs in
+// two chains (alternate rows), added at the end.
 template <int Rows, typename T>
 inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const float* h, int64_t, int64_t,
                      Lanes<8>* out) {
@@ -149,7 +150,7 @@ inline void AxpyRows(const NibbleRows<T>& w, int64_t i, int64_t stride, const fl
     std::memcpy(offset + b, &sum, sizeof sum);
   }
   NibbleRows<T>::ForGroups(0, w.groups, w.full_groups, [&](int64_t gi, auto full) __attribute__((always_inline)) {
-    const int64_t b = gi >> (w.w.block_shift - 1);  // groups_per_block, a power of two
+    const int64_t b = gi >> (w.w.block_shift - 1);  // gi / groups_per_block: no division in the loop
     Lanes<8> even[2] = {out[2 * gi] - offset[b], Lanes<8>{}}, odd[2] = {out[2 * gi + 1] - offset[b], Lanes<8>{}};
     for (int r = 0; r < Rows; ++r) {
       const __m256i u = w.template Group<decltype(full)::value>(row[r], gi);
