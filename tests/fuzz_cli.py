@@ -11,6 +11,7 @@ turn on top of cheap valid arguments.
 
 import contextlib
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -200,6 +201,24 @@ def end_process_state():
     torch.set_grad_enabled(True)
 
 
+# Libraries the commands import on first use. A real Ctrl-C ends the process, so a first import it
+# interrupts never outlives it; in this one process the timer's interrupt landing inside one would
+# leave it half-initialized for every later invocation (matplotlib then has no get_data_path, and
+# its C extensions cannot be imported afresh). So they are imported before any timer runs.
+FIRST_USE_IMPORTS = ("matplotlib", "matplotlib.pyplot", "matplotlib.ticker", "jsonschema", "tokenizers",
+                     "onnxruntime", "tritonclient.http", "tritonclient.grpc")
+
+
+def import_first_use_libraries():
+    for name in FIRST_USE_IMPORTS:
+        if name == "matplotlib.pyplot":
+            sys.modules["matplotlib"].use("Agg")  # as the report does before pyplot
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed: the commands that need it say so
+            pass
+
+
 def run_one(args, interrupt):
     stdout, stderr = io.StringIO(), io.StringIO()
     code = None
@@ -230,6 +249,7 @@ def main_fuzz(root: Path, seed: int):
     os.environ["XDG_CACHE_HOME"] = str(root / "cache")
     os.environ["INFMOE_MAX_MEMORY_GIB"] = "1.5"  # as on a small edge box, whatever this machine has
     made = build_sandbox(root)
+    import_first_use_libraries()  # after the sandbox: matplotlib makes its cache folder under it
     invocations = matrix(root, made)
     random.Random(seed).shuffle(invocations)
     before = snapshot(root)
