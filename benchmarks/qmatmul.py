@@ -77,14 +77,15 @@ def runners(rng, n: int, bits: int, threads: int):
     quantized = dict(B=pack_blocks(q, bits, BLOCK).numpy(), scales=scale.numpy())
     q_bytes = sum(v.nbytes for v in quantized.values())
     floats = dict(W=np.ascontiguousarray(w.numpy().T))
-    copies = {"qmatmul": ("QMatMul", quantized, 0), "qmatmul_a8": ("QMatMul", quantized, 0),
-              "nbits": ("MatMulNBits", quantized, 1),
-              "nbits_a8": ("MatMulNBits", quantized, 4), "fp32": ("MatMul", floats, 0)}
+    # name: (op, weights, MatMulNBits' accuracy level, QMatMul's activations)
+    copies = {"qmatmul": ("QMatMul", quantized, 0, "float"), "qmatmul_a8": ("QMatMul", quantized, 0, "int8"),
+              "nbits": ("MatMulNBits", quantized, 1, None), "nbits_a8": ("MatMulNBits", quantized, 4, None),
+              "fp32": ("MatMul", floats, 0, None)}
     out, size = {}, {}
-    for name, (op_type, weights, level) in copies.items():
+    for name, (op_type, weights, level, activations) in copies.items():
         size[name] = sum(v.nbytes for v in weights.values())
         proto = model(op_type, n, bits, weights, level)
-        out[name] = [session(proto, threads, op_type == "QMatMul", "int8" if name == "qmatmul_a8" else None)
+        out[name] = [session(proto, threads, op_type == "QMatMul", activations)
                      for _ in range(-(-COPY_BYTES // size[name]))]
     out["call"] = [session(identity_model(), threads, False)]
     return out, {**size, "call": q_bytes}

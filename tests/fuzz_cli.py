@@ -211,8 +211,6 @@ FIRST_USE_IMPORTS = ("matplotlib", "matplotlib.pyplot", "matplotlib.ticker", "js
 
 def import_first_use_libraries():
     for name in FIRST_USE_IMPORTS:
-        if name == "matplotlib.pyplot":
-            sys.modules["matplotlib"].use("Agg")  # as the report does before pyplot
         try:
             importlib.import_module(name)
         except ImportError:  # not installed: the commands that need it say so
@@ -248,6 +246,7 @@ def run_one(args, interrupt):
 def main_fuzz(root: Path, seed: int):
     os.environ["XDG_CACHE_HOME"] = str(root / "cache")
     os.environ["INFMOE_MAX_MEMORY_GIB"] = "1.5"  # as on a small edge box, whatever this machine has
+    os.environ["MPLBACKEND"] = "Agg"  # the backend the report selects, before pyplot's import here
     made = build_sandbox(root)
     import_first_use_libraries()  # after the sandbox: matplotlib makes its cache folder under it
     invocations = matrix(root, made)
