@@ -222,12 +222,11 @@ void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, con
   const auto cache = [&](C* present, int64_t b, int64_t h) { return present + (b * s.heads + h) * s.present * dim; };
   const auto token = [&](int64_t b, int64_t i) { return qkv + (b * s.sequence + i) * width; };
   // The cache first: unless present is past's own buffer, row b's past_b positions copied and the
-  // rest zeroed; then the new keys and values after them.
+  // rest zeroed; then the new keys and values after them. Item (b, h) writes (b, h)'s cache only.
   const bool shared = present_key == past_key && present_value == past_value;
   const int64_t work = heads * s.sequence * (s.total + 1) * dim;
   const ParallelFor& loop = work < kAttentionInline ? InlineFor() : parallel_for;
-  loop(static_cast<size_t>(heads), [&](size_t item) {
-    const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
+  const auto write_cache = [&](int64_t b, int64_t h) {
     for (int which = 0; which < 2; ++which) {
       C* present = cache(which ? present_value : present_key, b, h);
       if (!shared) {
@@ -241,7 +240,7 @@ void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, con
         for (int64_t c = 0; c < dim; ++c) FromFloat(from[c], to + c);
       }
     }
-  });
+  };
   // Query i of row b sees keys j < past_b + i + 1 (those after it are masked, as are none before:
   // left padding comes as bias); their scores become its weights in place.
   const auto seen = [&](int64_t b, int64_t i) { return past_of(b) + i + 1; };
@@ -251,11 +250,13 @@ void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, con
     Softmax(row, seen(b, i));
   };
   if (s.sequence <= kDecodeQueries) {
-    // One weights row per item, rows aligned for Softmax: one allocation per call.
+    // One weights row per item, rows aligned for Softmax: one allocation per call. An item reads
+    // only its own (b, h) cache, so it writes that cache first: one pass of the pool a call.
     const int64_t ld = (s.total + 15) / 16 * 16;
     Eigen::ArrayXf rows(heads * ld);
     loop(static_cast<size_t>(heads), [&](size_t item) {
       const int64_t b = static_cast<int64_t>(item) / s.heads, h = static_cast<int64_t>(item) % s.heads;
+      write_cache(b, h);
       float* row = rows.data() + static_cast<int64_t>(item) * ld;
       for (int64_t i = 0; i < s.sequence; ++i) {
         const float* q = token(b, i) + h * dim;
@@ -276,7 +277,11 @@ void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, con
     });
     return;
   }
-  // Prefill: per item, the scores of its queries by one Gemm, weights, and a second Gemm.
+  // Prefill: the caches written first (a (row, head)'s blocks of queries all read its cache); then
+  // per item the scores of its queries by one Gemm, weights, and a second Gemm.
+  loop(static_cast<size_t>(heads), [&](size_t item) {
+    write_cache(static_cast<int64_t>(item) / s.heads, static_cast<int64_t>(item) % s.heads);
+  });
   const int64_t blocks = (s.sequence + kAttentionQueries - 1) / kAttentionQueries;
   loop(static_cast<size_t>(heads * blocks), [&](size_t item) {
     const int64_t pair = static_cast<int64_t>(item) / blocks, block = static_cast<int64_t>(item) % blocks;
