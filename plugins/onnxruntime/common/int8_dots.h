@@ -590,7 +590,7 @@ constexpr int kRowPair = Bits == 4 && !kRowVnni ? 2 : 1;
 
 // How far ahead of its dots RowIntDots fetches rows. Streamed row after row, the rows are still
 // read faster when fetched by hand: the hardware prefetchers left one core's reads well below
-// the fp32 MatMul's on the same matrix, int4 on one token most (decisions.md).
+// the fp32 MatMul's on the same matrix, int4 on one token most (kernel.md).
 constexpr int64_t kRowsAhead = 8;
 
 // IntDots row by row (RowDots), kRowPair<Bits> rows at a time.

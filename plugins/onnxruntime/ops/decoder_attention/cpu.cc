@@ -221,11 +221,11 @@ void Attention(const AttentionSizes& s, const float* qkv, const C* past_key, con
   const auto past_of = [&](int64_t b) { return static_cast<int64_t>(seqlens_k[b]) + 1 - s.sequence; };
   const auto cache = [&](C* present, int64_t b, int64_t h) { return present + (b * s.heads + h) * s.present * dim; };
   const auto token = [&](int64_t b, int64_t i) { return qkv + (b * s.sequence + i) * width; };
-  // The cache first: unless present is past's own buffer, row b's past_b positions copied and the
-  // rest zeroed; then the new keys and values after them. Item (b, h) writes (b, h)'s cache only.
   const bool shared = present_key == past_key && present_value == past_value;
   const int64_t work = heads * s.sequence * (s.total + 1) * dim;
   const ParallelFor& loop = work < kAttentionInline ? InlineFor() : parallel_for;
+  // (b, h)'s cache: unless present is past's own buffer, row b's past_b positions copied and the
+  // rest zeroed; then the new keys and values after them.
   const auto write_cache = [&](int64_t b, int64_t h) {
     for (int which = 0; which < 2; ++which) {
       C* present = cache(which ? present_value : present_key, b, h);
