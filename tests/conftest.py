@@ -109,9 +109,10 @@ def library():
     return path
 
 
-def rerun_forcing_path(test_file: str, path: str, seed: int) -> None:
-    """Run test_file's tests but the one calling this again in a child with INFMOE_PATH=path (the
-    kernel reads the path once per process), the same seed; fails with the child's output."""
+def rerun_forcing_path(test_file: str, path: str, seed: int, select: str = "not each_path") -> None:
+    """Run test_file's tests that `select` names (a pytest -k expression; by default all but the
+    one calling this) again in a child with INFMOE_PATH=path (the kernel reads the path once per
+    process), the same seed; fails with the child's output."""
     import subprocess
     import sys
 
@@ -119,7 +120,7 @@ def rerun_forcing_path(test_file: str, path: str, seed: int) -> None:
         pytest.skip("already running one path")
     env = dict(os.environ, INFMOE_PATH=path, INFMOE_TEST_SEED=str(seed))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file,
-                           "-k", "not each_path"], env=env, capture_output=True, text=True)
+                           "-k", select], env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"{path}, seed {seed}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
 
 
