@@ -227,10 +227,25 @@ def test_pipeline_exits_nonzero_when_parity_fails(checkpoint, tmp_path, run_cli,
     (["--dtype", "int4", "--block-size", "24"], "--block-size: block size must be a power of two >= 16"),
     (["--baseline", "/nonexistent"], "is not a checkpoint"),
     (["--dtype", "fp32,fp16", "--quantize-other", "int4"], "--quantize-other int4 applies to int8 / int4 models"),
+    # An empty value given is a mistake, not a request for the default.
+    (["--k", ""], "--k must be a comma-separated list of positive integers"),
+    (["--noise", ""], "--noise must be a comma-separated subset of quantile, sampled"),
+    (["--dtype", ""], "--dtype must be a comma-separated list of fp32, fp16, int8, int4"),
+    # A block size is checked even where nothing is quantized.
+    (["--dtype", "fp32", "--block-size", "-1"], "--block-size: block size must be a power of two >= 16"),
 ])
 def test_pipeline_bad_input_is_one_line(tmp_path, run_cli, args, message):
     status, _, err = run_cli("pipeline", "--out", str(tmp_path / "out"), *args)
     assert status == 1 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["pipeline", "deploy", "parity"])
+def test_quality_thresholds_refuse_nan(tmp_path, run_cli, command):
+    """A NaN threshold would pass or fail every comparison silently: click's usage error instead."""
+    status, _, err = run_cli(command, "--out", str(tmp_path / "out"), "--min-top1", "nan")
+    assert status == 2 and "Invalid value for '--min-top1': 'nan' is not a finite number" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_pipeline_quantize_other(checkpoint, tmp_path, run_cli):

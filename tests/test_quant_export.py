@@ -281,6 +281,7 @@ def test_onnx_and_onnxruntime_tools_load_it(make_model, tmp_path, run_cli):
     (["--dtype", "int4", "--block-size", "0"], "--block-size"),
     (["--dtype", "int4", "--block-size", "24"], "--block-size"),
     (["--dtype", "int8", "--block-size", "8"], "--block-size"),
+    (["--block-size", "-1"], "--block-size"),  # checked at fp32 too, where nothing uses it
     (["--dtype", "int4", "--quantize-other", "int4", "--opset", "18"], "opset 18"),
 ])
 def test_cli_refuses_bad_quantization_in_one_line(make_checkpoint, tmp_path, run_cli, args, message):

@@ -56,7 +56,7 @@ FASTEST_FIRST = ("int4", "int8", "fp32")  # without --dtype: the first whose cer
               help="Windows of n_positions tokens of validation text for the certificate.")
 @click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
               help="Accuracy (level-2) budget: perplexity increase over the float model, in percent.")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
+@click.option("--min-top1", type=FiniteFloat(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
               help="Accuracy (level-2) budget: least share of tokens whose top-1 agrees with the float model's.")
 @click.option("--budget", "budget_s", type=FiniteFloat(min=0.01), default=BUDGET_S, show_default=True,
               help="Seconds of interleaved timing per latency figure at most.")

@@ -35,11 +35,11 @@ from ..verify.parity import (DEFAULT_ATOL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_MAX
               help="Backends to compare against the PyTorch reference.")
 @click.option("--atol", type=FiniteFloat(min=0), default=DEFAULT_ATOL, show_default=True)
 @click.option("--rtol", type=FiniteFloat(min=0), default=DEFAULT_RTOL, show_default=True)
-@click.option("--min-start-agreement", type=click.FloatRange(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
+@click.option("--min-start-agreement", type=FiniteFloat(0, 1), default=DEFAULT_MIN_START_AGREEMENT,
               show_default=True, help="Least share of (token, layer, sample) starts that must agree.")
 @click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
               help="Level-2 budget: perplexity increase over the float model, in percent.")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
+@click.option("--min-top1", type=FiniteFloat(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
               help="Level-2 budget: least share of tokens whose top-1 agrees with the float model's.")
 @click.option("--max-windows", type=WINDOWS, default=DEFAULT_MAX_WINDOWS, show_default=True,
               help="Windows of n_positions tokens to run (kept small: every backend runs every window).")

@@ -171,7 +171,7 @@ class Stages:
 @click.option("--max-ppl-increase", type=FiniteFloat(min=0), default=100 * DEFAULT_MAX_PPL_INCREASE, show_default=True,
               help="Accuracy (level-2) budget: perplexity increase over the float model, in percent. A precision "
                    "over it is reported and left out of the recommendation; it does not fail the run.")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
+@click.option("--min-top1", type=FiniteFloat(0, 1), default=DEFAULT_MIN_TOP1, show_default=True,
               help="Accuracy (level-2) budget: least share of tokens whose top-1 agrees with the float model's.")
 @click.option("--iters", type=click.IntRange(min=1), default=200, show_default=True,
               help="Timed calls per latency figure at most.")
@@ -190,14 +190,14 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
     matrix = FULL if full else TOUR
     config = read_config(checkpoint or DEFAULT_CHECKPOINT)
     moe = config.model_type == "moe-gpt2"  # one K, its top_k, and no noise
-    ks = positive_ints(ks, "--k") if ks else [config.default_k] if moe else positive_ints(matrix.ks)
-    noise_list = noise_list or ("quantile" if moe else matrix.noises)
+    ks = positive_ints(ks, "--k") if ks is not None else [config.default_k] if moe else positive_ints(matrix.ks)
+    noise_list = noise_list if noise_list is not None else ("quantile" if moe else matrix.noises)
     noises = [n.strip() for n in noise_list.split(",") if n.strip()]
     if not noises or any(n not in NOISE_MODES for n in noises):
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
     baselines = baseline_paths(baselines, bundled=matrix.full and not no_baselines)
     torch_model = load_checkpoint(checkpoint)
-    choices = choices_from_flags(torch_model.config, deploy, dtype or matrix.dtypes, quantize_other, block_size,
+    choices = choices_from_flags(torch_model.config, deploy, matrix.dtypes if dtype is None else dtype, quantize_other, block_size,
                                  activations=activations, kv_cache=kv_cache)
     check_forward_memory(torch_model.config, max(matrix.batches), torch_model.config.n_positions, max(ks))
     if threads:
