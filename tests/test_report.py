@@ -654,6 +654,7 @@ def test_parity_fails_on_perturbed_weight_naming_the_backend(setup, tmp_path):
     (["--backends", "cuda"], "unknown backend 'cuda'"),
     (["--k", "5"], "no model for K=5"),
     (["--k", "0"], "positive integer"),
+    (["--k", ""], "positive integer"),  # an empty value given is a mistake, not the default
 ])
 def test_parity_bad_input_is_one_line(setup, tmp_path, run_cli, args, message):
     base = {"--model": str(setup["root"] / "models")}

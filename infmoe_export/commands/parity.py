@@ -60,7 +60,7 @@ def parity_command(checkpoint, model_paths, deploy, dtype, quantize_other, block
                                                         activations=activations, kv_cache=kv_cache)
     out = output_dir(out, inputs=[source, *model_paths, *texts, engines])
     torch_model = load_checkpoint(checkpoint)
-    k_list = positive_ints(ks, "--k") if ks else None
+    k_list = positive_ints(ks, "--k") if ks is not None else None
     check_forward_memory(torch_model.config, BATCH_SIZE, torch_model.config.n_positions,
                          max(k_list) if k_list else torch_model.config.default_k)
     console = Console()
