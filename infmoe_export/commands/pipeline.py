@@ -197,7 +197,8 @@ def pipeline_command(checkpoint, out, full, ks, noise_list, deploy, dtype, quant
         raise InfMoEError(f"--noise must be a comma-separated subset of {', '.join(NOISE_MODES)}, got {noise_list!r}")
     baselines = baseline_paths(baselines, bundled=matrix.full and not no_baselines)
     torch_model = load_checkpoint(checkpoint)
-    choices = choices_from_flags(torch_model.config, deploy, matrix.dtypes if dtype is None else dtype, quantize_other, block_size,
+    dtype = matrix.dtypes if dtype is None else dtype
+    choices = choices_from_flags(torch_model.config, deploy, dtype, quantize_other, block_size,
                                  activations=activations, kv_cache=kv_cache)
     check_forward_memory(torch_model.config, max(matrix.batches), torch_model.config.n_positions, max(ks))
     if threads:
