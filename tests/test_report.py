@@ -216,11 +216,13 @@ def test_pipeline_reads_level2_as_advice(setup, tmp_path):
                             parity=level2_as_advice(broken))["passed"]
 
 
-def test_block_size_is_checked_only_with_blocks():
+def test_block_size_is_checked_whenever_given():
+    """Given with no int8 / int4 model a block size is unused, but a bad one is still a mistake."""
     assert precision_list("int4, fp32") == ["fp32", "int4"]
-    export_choices(CONFIG, ["fp32"], block_size=24)  # no blocks, no check
-    with pytest.raises(InfMoEError, match="--block-size: block size must be a power of two >= 16, got 24"):
-        export_choices(CONFIG, ["fp32", "int4"], block_size=24)
+    export_choices(CONFIG, ["fp32"])  # the default: nothing to check
+    for dtypes in (["fp32"], ["fp32", "int4"]):
+        with pytest.raises(InfMoEError, match="--block-size: block size must be a power of two >= 16, got 24"):
+            export_choices(CONFIG, dtypes, block_size=24)
 
 
 def test_latency_summary_percentiles():
