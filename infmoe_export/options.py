@@ -126,13 +126,12 @@ def export_choices(config, dtypes: Optional[Sequence[str]] = None, *, deploy: Op
         raise InfMoEError(f"--quantize-other {quantize_other} applies to int8 / int4 models, and --dtype has none")
     if quantize_other is not None and quantize_other not in QUANTIZE_OTHER:
         raise InfMoEError(f"--quantize-other must be one of {', '.join(QUANTIZE_OTHER)}, got {quantize_other!r}")
-    given_block_size = block_size is not None
-    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-    if quantized or given_block_size:  # a bad value is an error even where nothing is quantized
+    if block_size is not None:  # a bad value is an error even where nothing is quantized
         try:
             check_block_size(block_size)
         except InfMoEError as error:
             raise InfMoEError(f"--block-size: {error}") from None
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     if activations is not None and activations not in ACTIVATION_KINDS:
         raise InfMoEError(f"--activations must be one of {', '.join(ACTIVATION_KINDS)}, got {activations!r}")
     if kv_cache is not None and kv_cache not in KV_CACHES:
